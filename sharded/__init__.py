@@ -1,0 +1,14 @@
+"""sharded: JAX-style SPMD for PyTorch (the distributed model; no function transforms).
+
+Function transforms (pjit, shard_map) live in the ``transforms`` package.
+"""
+
+from sharded.api import gather, shard, spec_of, visualize_sharding, with_sharding_constraint
+from sharded.launch import RankPool, launch
+from sharded.mesh import Mesh
+from sharded.spec import P, PartitionSpec
+
+__all__ = [
+    "Mesh", "P", "PartitionSpec", "shard", "gather", "spec_of",
+    "with_sharding_constraint", "visualize_sharding", "launch", "RankPool",
+]

@@ -1,0 +1,74 @@
+"""Every private (underscore) torch API that the project touches, in one place.
+
+A torch upgrade should only ever need this file to change. Public torch APIs
+(``torch.distributed.tensor``, ``torch.fx``, ``make_fx``) are imported where they
+are used.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
+from torch.distributed.tensor import DTensor
+
+# The functional collectives as they appear in traced graphs.
+c10d_functional = torch.ops._c10d_functional
+
+COLLECTIVE_OPS = {
+    c10d_functional.all_reduce.default: "all_reduce",
+    c10d_functional.all_gather_into_tensor.default: "all_gather",
+    c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d_functional.all_to_all_single.default: "all_to_all",
+    c10d_functional.broadcast.default: "broadcast",
+}
+WAIT_OP = c10d_functional.wait_tensor.default
+
+
+def new_fake_mode() -> FakeTensorMode:
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+def group_from_name(name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def local_tensor(dt: DTensor) -> torch.Tensor:
+    """The local shard of a DTensor without going through autograd (hot path)."""
+    return dt._local_tensor
+
+
+def dtensor_spec(dt: DTensor):
+    return dt._spec
+
+
+def make_dtensor(local: torch.Tensor, spec) -> DTensor:
+    """Wrap ``local`` with a precomputed DTensorSpec (no checks, no autograd)."""
+    return DTensor(local, spec, requires_grad=local.requires_grad)
+
+
+def build_dtensor_spec(device_mesh, placements, shape, stride, dtype):
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    return DTensorSpec(
+        device_mesh,
+        tuple(placements),
+        tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype),
+    )
+
+
+def hash_store():
+    return dist.HashStore()
+
+
+def is_partial(placement) -> bool:
+    from torch.distributed.tensor import Partial
+
+    # _MaskPartial (row-sharded embedding) is a Partial subclass.
+    return isinstance(placement, Partial)

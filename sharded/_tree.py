@@ -1,0 +1,114 @@
+"""Pytree helpers: specs given as pytree prefixes, with key paths in every error.
+
+Pytrees are optree pytrees with ``None`` as a leaf (so an argument that is None is a
+static leaf, and a spec that is None means "replicated").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import optree
+
+from sharded.spec import P
+
+NONE_IS_LEAF = True
+
+
+def flatten(tree):
+    return optree.tree_flatten(tree, none_is_leaf=NONE_IS_LEAF)
+
+
+def unflatten(treedef, leaves):
+    return optree.tree_unflatten(treedef, leaves)
+
+
+def is_spec_leaf(x) -> bool:
+    return x is None or isinstance(x, P)
+
+
+def fmt_entry(kind, entry) -> str:
+    if kind == optree.PyTreeKind.DICT or kind == optree.PyTreeKind.DEFAULTDICT or kind == optree.PyTreeKind.ORDEREDDICT:
+        return f"[{entry!r}]"
+    if kind == optree.PyTreeKind.NAMEDTUPLE or kind == optree.PyTreeKind.STRUCTSEQUENCE:
+        return f".{entry}" if isinstance(entry, str) else f"[{entry}]"
+    return f"[{entry!r}]"
+
+
+def broadcast_prefix(
+    prefix: Any,
+    tree: Any,
+    name: str,
+    *,
+    is_leaf: Callable[[Any], bool] = is_spec_leaf,
+) -> list[tuple[str, Any]]:
+    """For each leaf of ``tree`` (in flatten order), the (path, value) of the ``prefix``
+    leaf that covers it. ``name`` starts every path (e.g. ``"pjit in_specs"``)."""
+    out: list[tuple[str, Any]] = []
+    _walk(prefix, tree, name, out, is_leaf)
+    return out
+
+
+def _children(x):
+    children, _meta, entries, _ = optree.tree_flatten_one_level(x, none_is_leaf=NONE_IS_LEAF)
+    kind = optree.tree_structure(x, none_is_leaf=NONE_IS_LEAF).kind
+    return children, entries, kind
+
+
+def _walk(pfx, sub, path, out, is_leaf):
+    if is_leaf(pfx):
+        n = len(optree.tree_leaves(sub, none_is_leaf=NONE_IS_LEAF))
+        out.extend([(path, pfx)] * n)
+        return
+    if optree.treespec_is_leaf(optree.tree_structure(pfx, none_is_leaf=NONE_IS_LEAF)):
+        hint = f" Did you mean P({pfx!r})?" if isinstance(pfx, str) else ""
+        raise TypeError(f"{path} is {pfx!r}; expected P(...), None, or a container.{hint}")
+    sub_struct = optree.tree_structure(sub, none_is_leaf=NONE_IS_LEAF)
+    if optree.treespec_is_leaf(sub_struct):
+        raise ValueError(
+            f"{path} is a {type(pfx).__name__}, but the argument there is "
+            f"{_describe(sub)}; the specs must be a pytree prefix of the arguments "
+            f"(use one P for the whole subtree)."
+        )
+    pch, pent, pkind = _children(pfx)
+    sch, sent, skind = _children(sub)
+    if type(pfx) is not type(sub) and not (
+        isinstance(pfx, (list, tuple)) and isinstance(sub, (list, tuple))
+        and pkind == skind
+    ):
+        raise ValueError(
+            f"{path} is a {type(pfx).__name__}, but the argument there is a "
+            f"{type(sub).__name__}; the specs must be a pytree prefix of the arguments."
+        )
+    if list(pent) != list(sent):
+        if isinstance(pfx, dict):
+            missing = sorted(set(sent) - set(pent), key=repr)
+            extra = sorted(set(pent) - set(sent), key=repr)
+            detail = []
+            if missing:
+                detail.append(f"no spec for key(s) {missing}")
+            if extra:
+                detail.append(f"spec for key(s) {extra} not in the argument")
+            raise ValueError(
+                f"{path} does not match the argument's keys: {'; '.join(detail)}."
+            )
+        raise ValueError(
+            f"{path} has {len(pch)} entries but the argument there has {len(sch)}; "
+            f"the specs must be a pytree prefix of the arguments."
+        )
+    for e, p, s in zip(sent, pch, sch):
+        _walk(p, s, path + fmt_entry(skind, e), out, is_leaf)
+
+
+def _describe(x) -> str:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return f"{type(x).__name__} {x!r}"[:80]
+
+
+def leaf_paths(tree, name: str) -> list[str]:
+    """Key path of every leaf of ``tree``, e.g. ``args[0]['w']``."""
+    accessors, _leaves, _ = optree.tree_flatten_with_accessor(tree, none_is_leaf=NONE_IS_LEAF)
+    return [a.codify(name) for a in accessors]

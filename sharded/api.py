@@ -1,0 +1,155 @@
+"""Placing pytrees on a mesh and reading them back: shard, gather, spec_of,
+with_sharding_constraint, visualize_sharding."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from sharded import _torch, _tree
+from sharded.mesh import Mesh, current_mesh
+from sharded.spec import P, check_spec, from_placements, local_slice, to_placements
+
+__all__ = ["shard", "gather", "spec_of", "with_sharding_constraint", "visualize_sharding"]
+
+
+def shard(tree, specs, mesh: Mesh | None = None):
+    """Lay out every tensor of ``tree`` on ``mesh`` as ``specs`` says (like
+    ``jax.device_put``); returns the same pytree with DTensor leaves.
+
+    ``specs`` is a pytree prefix of ``tree`` (a single ``P`` covers everything).
+    Plain tensors are taken as the same global value on every rank and sliced
+    locally (no communication); DTensors are redistributed if their layout differs.
+    Non-tensor leaves are returned unchanged.
+    """
+    mesh = current_mesh(mesh, "shard")
+    leaves, treedef = _tree.flatten(tree)
+    paths = _tree.leaf_paths(tree, "tree")
+    matched = _tree.broadcast_prefix(specs, tree, "shard specs")
+    out = []
+    for leaf, lpath, (spath, spec) in zip(leaves, paths, matched):
+        if not isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+            continue
+        spec = P() if spec is None else spec
+        check_spec(spec, leaf.shape, mesh, f"shard {spath} (for {lpath})")
+        out.append(place(leaf, to_placements(spec, mesh), mesh))
+    return _tree.unflatten(treedef, out)
+
+
+def place(x: torch.Tensor, placements, mesh: Mesh) -> DTensor:
+    """``x`` as a DTensor with ``placements`` on ``mesh`` (redistributing a DTensor,
+    slicing a plain tensor locally)."""
+    if isinstance(x, DTensor):
+        if x.device_mesh != mesh.device_mesh:
+            raise ValueError(
+                f"the DTensor lives on {x.device_mesh}, not on {mesh}; gather it first "
+                f"(sharded.gather) and shard it onto the new mesh."
+            )
+        if tuple(x.placements) != tuple(placements):
+            x = x.redistribute(mesh.device_mesh, placements)
+        return x
+    local = local_slice(x.detach(), placements, mesh)
+    return DTensor.from_local(
+        local, mesh.device_mesh, placements, run_check=False, shape=x.shape, stride=x.stride()
+    )
+
+
+def gather(tree):
+    """Every DTensor of ``tree`` as a full plain tensor on every rank."""
+    leaves, treedef = _tree.flatten(tree)
+    return _tree.unflatten(
+        treedef, [x.full_tensor() if isinstance(x, DTensor) else x for x in leaves]
+    )
+
+
+def spec_of(x: DTensor) -> P:
+    """The PartitionSpec of a DTensor (error if it holds a pending reduction)."""
+    if not isinstance(x, DTensor):
+        raise TypeError(f"spec_of expects a DTensor; got {type(x).__name__}.")
+    mesh = Mesh.from_device_mesh(x.device_mesh)
+    return from_placements(x.placements, mesh, x.ndim)
+
+
+# ---------------------------------------------------------------------------
+# with_sharding_constraint: an identity op that the partitioner honours
+# ---------------------------------------------------------------------------
+
+_SPEC_IDS: dict[P, int] = {}
+_SPECS: list[P] = []
+
+
+def _spec_id(spec: P) -> int:
+    if spec not in _SPEC_IDS:
+        _SPEC_IDS[spec] = len(_SPECS)
+        _SPECS.append(spec)
+    return _SPEC_IDS[spec]
+
+
+def constraint_spec(spec_id: int) -> P:
+    return _SPECS[spec_id]
+
+
+@torch.library.custom_op("sharded::sharding_constraint", mutates_args=())
+def _constraint(x: torch.Tensor, spec_id: int) -> torch.Tensor:
+    return x.clone()
+
+
+@_constraint.register_fake
+def _(x, spec_id):
+    return torch.empty_like(x)
+
+
+def _constraint_backward(ctx, grad):
+    return grad, None
+
+
+_constraint.register_autograd(_constraint_backward)
+
+CONSTRAINT_OP = torch.ops.sharded.sharding_constraint.default
+
+
+def with_sharding_constraint(x: torch.Tensor, spec: P, mesh: Mesh | None = None):
+    """Force the layout of ``x``.
+
+    Inside a function traced by ``pjit``, the partitioner redistributes ``x`` to
+    ``spec`` at this point of the program. On an eager DTensor it redistributes now.
+    """
+    if not isinstance(spec, P):
+        raise TypeError(f"with_sharding_constraint expects a P; got {spec!r}.")
+    if isinstance(x, DTensor):
+        mesh = mesh or Mesh.from_device_mesh(x.device_mesh)
+        check_spec(spec, x.shape, mesh, "with_sharding_constraint spec")
+        return x.redistribute(mesh.device_mesh, to_placements(spec, mesh))
+    return _constraint(x, _spec_id(spec))
+
+
+# ---------------------------------------------------------------------------
+# visualize_sharding
+# ---------------------------------------------------------------------------
+
+
+def visualize_sharding(x: DTensor, *, file=None) -> str:
+    """Print (on rank 0) and return which rank holds which block of ``x``."""
+    mesh = Mesh.from_device_mesh(x.device_mesh)
+    spec = spec_of(x)
+    lines = [f"{tuple(x.shape)} {x.dtype} as {spec!r} on {mesh!r}:"]
+    ranks = x.device_mesh.mesh
+    for coord in itertools.product(*[range(s) for s in mesh.shape]):
+        rank = int(ranks[coord])
+        block = []
+        for dim, size in enumerate(x.shape):
+            lo, hi = 0, size
+            for axis_i, pl in enumerate(to_placements(spec, mesh)):
+                if getattr(pl, "dim", None) == dim and pl.is_shard():
+                    step = (hi - lo) // mesh.shape[axis_i]
+                    lo, hi = lo + coord[axis_i] * step, lo + (coord[axis_i] + 1) * step
+            block.append(f"{lo}:{hi}")
+        where = ", ".join(f"{n}={c}" for n, c in zip(mesh.axis_names, coord))
+        lines.append(f"  rank {rank} ({where}): [{', '.join(block)}]")
+    text = "\n".join(lines)
+    if torch.distributed.get_rank() == 0:
+        print(text, file=file)
+    return text

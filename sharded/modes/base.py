@@ -1,0 +1,65 @@
+"""The ParallelMode interface.
+
+A mode turns the global graph (the single-device program, traced by make_fx and
+functionalized) into the program one rank runs, in two steps:
+
+- ``partition(graph, in_placements, out_specs, mesh)``: choose layouts for every
+  value and expand the graph for THIS rank (local shapes, rank-dependent constants,
+  collectives). Returns a ``Partitioned``.
+- ``transform_and_compile(local_graph, mesh)``: mode-specific passes on the local
+  graph (at least dead-code elimination); may compile it.
+
+Modes are chosen per pjit call (``pjit(..., mode=...)``); the default is
+``DTensorExpandMode()``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch.fx as fx
+from torch.distributed.tensor import Placement
+
+from sharded.passes import cse, dce
+
+
+class ShardingRuleError(NotImplementedError):
+    """An op in the program has no sharding rule for the layouts it receives."""
+
+
+@dataclass
+class Partitioned:
+    """A partitioned program: the local graph and the placements of its outputs."""
+
+    graph: fx.GraphModule
+    out_placements: list[tuple[Placement, ...]]
+
+
+class ParallelMode(abc.ABC):
+    """Interface of a parallel mode (see the module docstring)."""
+
+    name: str = "ParallelMode"
+
+    @abc.abstractmethod
+    def partition(
+        self,
+        graph: fx.GraphModule,
+        in_placements: Sequence[tuple[Placement, ...]],
+        out_specs: Sequence,
+        mesh,
+    ) -> Partitioned:
+        """Expand ``graph`` (placeholders = the global inputs, laid out by
+        ``in_placements``) into this rank's graph. ``out_specs[i]`` is the P the
+        i-th output must have, or None to keep the propagated layout."""
+
+    def transform_and_compile(self, graph: fx.GraphModule, mesh) -> fx.GraphModule:
+        return cse(dce(graph))
+
+    def cache_key(self) -> tuple:
+        """What distinguishes this mode's programs in pjit's cache."""
+        return (type(self).__name__,)
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"

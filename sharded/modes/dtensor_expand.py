@@ -1,0 +1,123 @@
+"""DTensorExpandMode: propagate the input layouts op by op with DTensor's sharding
+rules, and trace what DTensor does for this rank into a plain local graph.
+
+# NOTE [Expansion by one make_fx over an Interpreter]
+The global graph is run by an ``fx.Interpreter`` on DTensors built from fake local
+shards, under one ``make_fx``. DTensor picks each op's output layout, inserts the
+redistributes as functional collectives and computes local shapes and rank-dependent
+constants (the row-sharded embedding's mask bounds); make_fx records the aten ops it
+runs on the local shards. Tracing op by op instead would lose state that DTensor keeps
+in placements across ops (``_MaskPartial`` carries the embedding mask) and silently
+bake it as a constant. The Interpreter keeps node attribution for error messages.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from sharded import _torch, rules  # noqa: F401  (rules registers the project's shardings)
+from sharded.api import CONSTRAINT_OP, constraint_spec
+from sharded.modes.base import ParallelMode, Partitioned, ShardingRuleError
+from sharded.spec import check_spec, local_shape, from_placements, to_placements
+
+_NO_RULE = "does not have a sharding strategy registered"
+
+
+class DTensorExpandMode(ParallelMode):
+    """Propagate input placements through the program with DTensor's op strategies.
+
+    A pending reduction (Partial) left on an output whose spec is unspecified is
+    reduced to Replicate, so outputs always have a PartitionSpec.
+    """
+
+    name = "DTensorExpandMode"
+
+    def partition(self, graph, in_placements, out_specs, mesh) -> Partitioned:
+        dm = mesh.device_mesh
+        metas = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"]
+        fake_mode = _torch.new_fake_mode()
+        with fake_mode:
+            local_inputs = [
+                torch.empty(
+                    local_shape(m.shape, from_placements(pl, mesh, m.ndim), mesh),
+                    dtype=m.dtype, device=m.device if m.device.type != "meta" else "cpu",
+                )
+                for m, pl in zip(metas, in_placements)
+            ]
+        out_placements: list = []
+
+        def run_local(*locals_):
+            dts = [
+                DTensor.from_local(x, dm, pl, run_check=False, shape=m.shape, stride=m.stride())
+                for x, pl, m in zip(locals_, in_placements, metas)
+            ]
+            with implicit_replication():
+                outs = _Expander(graph, self, mesh).run(*dts)
+            out_placements.clear()
+            result = []
+            for i, (o, spec) in enumerate(zip(outs, out_specs)):
+                if not isinstance(o, DTensor):  # a factory output: same on every rank
+                    o = DTensor.from_local(o, dm, [Replicate()] * mesh.ndim, run_check=False)
+                if spec is not None:
+                    target = to_placements(spec, mesh)
+                else:
+                    target = tuple(Replicate() if _torch.is_partial(p) else p for p in o.placements)
+                if tuple(o.placements) != target:
+                    o = o.redistribute(dm, target)
+                out_placements.append(tuple(o.placements))
+                result.append(o.to_local())
+            return result
+
+        local = make_fx(run_local, tracing_mode="fake")(*local_inputs)
+        return Partitioned(local, list(out_placements))
+
+
+class _Expander(fx.Interpreter):
+    def __init__(self, gm, mode, mesh):
+        super().__init__(gm)
+        self.mode = mode
+        self.mesh = mesh
+
+    def call_function(self, target, args, kwargs):
+        if target is CONSTRAINT_OP:
+            x, spec_id = args
+            spec = constraint_spec(spec_id)
+            check_spec(spec, x.shape, self.mesh, "with_sharding_constraint spec")
+            return x.redistribute(self.mesh.device_mesh, to_placements(spec, self.mesh))
+        return super().call_function(target, args, kwargs)
+
+    def run_node(self, n):
+        try:
+            return super().run_node(n)
+        except (ShardingRuleError, ValueError, TypeError):
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised with the node named
+            layouts = _layouts(self, n)
+            if _NO_RULE in str(e):
+                raise ShardingRuleError(
+                    f"{self.mode.name} has no sharding rule for {n.target} (node "
+                    f"{n.name!r}, inputs {layouts}). Register one with "
+                    f"sharded.rules.register_sharding({n.target}) (see docs/concepts.md, "
+                    f"'Sharding rules'), or lay its inputs out as Replicate."
+                ) from None
+            raise RuntimeError(
+                f"{self.mode.name} could not partition node {n.name!r} = {n.target}"
+                f"(inputs {layouts}): {type(e).__name__}: {e}"
+            ) from e
+
+
+def _layouts(interp, n) -> list[str]:
+    out = []
+    for a in n.all_input_nodes:
+        v = interp.env.get(a)
+        if isinstance(v, DTensor):
+            out.append(f"{a.name}: {tuple(v.shape)} {tuple(v.placements)}")
+        elif isinstance(v, torch.Tensor):
+            out.append(f"{a.name}: {tuple(v.shape)} plain")
+    return out

@@ -1,0 +1,87 @@
+"""Reading collectives out of a per-rank graph: cost and cross-rank fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from sharded import _torch
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One functional collective in a local graph."""
+
+    kind: str              # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast
+    shape: tuple           # shape of the input on this rank
+    dtype: torch.dtype
+    axis: str              # mesh axis (or axes) it runs over, else the group name
+    reduce_op: str | None  # "sum", "avg", ... for reductions
+    bytes: int             # the larger of its input and output on this rank
+    node: str = ""
+
+    def __str__(self):
+        red = f" {self.reduce_op}" if self.reduce_op else ""
+        dt = str(self.dtype).replace("torch.", "")
+        return f"{self.kind}{red} {dt}{list(self.shape)} over {self.axis!r}"
+
+
+def _nbytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    return 0
+
+
+def collectives(gm: fx.GraphModule, mesh=None) -> list[CollectiveCall]:
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in _torch.COLLECTIVE_OPS:
+            continue
+        kind = _torch.COLLECTIVE_OPS[n.target]
+        inp = n.args[0].meta.get("val")
+        res = n.meta.get("val")
+        group = n.args[-1]
+        axis = (mesh.axis_of_group(group) if mesh is not None else None) or group
+        reduce_op = n.args[1] if kind in ("all_reduce", "reduce_scatter") else None
+        out.append(
+            CollectiveCall(
+                kind=kind,
+                shape=tuple(inp.shape) if inp is not None else (),
+                dtype=inp.dtype if inp is not None else None,
+                axis=axis,
+                reduce_op=reduce_op,
+                bytes=max(_nbytes(inp), _nbytes(res)),
+                node=n.name,
+            )
+        )
+    return out
+
+
+def cost(gm: fx.GraphModule, mesh=None) -> dict:
+    """Collectives of a local graph by kind: ``{"all_reduce": {"count": 2, "bytes": 512},
+    ..., "total": {"count": .., "bytes": ..}}``. Bytes are per call of the program,
+    on this rank."""
+    table: dict[str, dict[str, int]] = {}
+    total = {"count": 0, "bytes": 0}
+    for c in collectives(gm, mesh):
+        row = table.setdefault(c.kind, {"count": 0, "bytes": 0})
+        row["count"] += 1
+        row["bytes"] += c.bytes
+        total["count"] += 1
+        total["bytes"] += c.bytes
+    table["total"] = total
+    return table
+
+
+def fingerprint(gm: fx.GraphModule, mesh, extra: tuple = ()) -> tuple[str, list[str]]:
+    """A digest of the collective sequence (kinds, shapes, dtypes, axes) plus ``extra``.
+
+    Ranks of one program must issue the same collectives in the same order; comparing
+    digests before the first run turns a would-be hang into an error.
+    """
+    lines = [str(x) for x in extra] + [str(c) for c in collectives(gm, mesh)]
+    digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
+    return digest, lines

@@ -1,0 +1,69 @@
+"""Dead-code elimination and common-subexpression elimination on functional graphs."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+
+# In-place ops that only touch autograd metadata; DTensor's tracing leaves a few
+# ``detach_`` on fresh constants behind, which plain DCE keeps as side effects.
+_METADATA_INPLACE = {torch.ops.aten.detach_.default}
+
+
+def _is_impure(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target in _METADATA_INPLACE:
+        return False
+    return node.is_impure()
+
+
+def dce(gm: fx.GraphModule) -> fx.GraphModule:
+    gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
+    gm.recompile()
+    return gm
+
+
+def _freeze(x, rep):
+    if isinstance(x, fx.Node):
+        return ("node", rep[x])
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_freeze(y, rep) for y in x))
+    if isinstance(x, dict):
+        return ("dict", tuple(sorted((k, _freeze(v, rep)) for k, v in x.items())))
+    return (type(x).__name__, x)
+
+
+def _is_pure(target) -> bool:
+    if not isinstance(target, torch._ops.OpOverload):
+        return callable(target) and getattr(target, "__module__", "") == "_operator"
+    if target._schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def cse(gm: fx.GraphModule) -> fx.GraphModule:
+    """Merge nodes that compute the same pure op on the same inputs.
+
+    DTensor emits one redistribute per consumer, so a value read by several ops is
+    often all-reduced or all-gathered several times; CSE keeps one collective.
+    Random (nondeterministic_seeded) and mutating ops are never merged.
+    """
+    rep: dict[fx.Node, fx.Node] = {}
+    seen: dict = {}
+    for node in list(gm.graph.nodes):
+        rep[node] = node
+        if node.op != "call_function" or not _is_pure(node.target):
+            continue
+        try:
+            key = (node.target, _freeze(node.args, rep), _freeze(node.kwargs, rep))
+            hash(key)
+        except TypeError:
+            continue
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            rep[node] = seen[key]
+            gm.graph.erase_node(node)
+        else:
+            seen[key] = node
+    gm.recompile()
+    return gm

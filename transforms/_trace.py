@@ -1,0 +1,47 @@
+"""Tracing: make_fx of the user's function on fake global-shaped tensors,
+functionalized. The result is the global graph: the single-device program, aten ops
+only, with torch.func.grad / vmap / einops already resolved."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from sharded import _torch
+
+
+class TracingError(RuntimeError):
+    """The function cannot be traced into a static program."""
+
+
+def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str) -> fx.GraphModule:
+    """Trace ``flat_fn`` (flat tensors in, flat tensors out) on fakes like ``metas``."""
+    fake_mode = _torch.new_fake_mode()
+    with fake_mode:
+        fakes = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device) for m in metas]
+    fn = torch.func.functionalize(flat_fn, remove="mutations_and_views")
+    try:
+        return make_fx(fn, tracing_mode="fake")(*fakes)
+    except (_torch.DataDependentOutputException, _torch.DynamicOutputShapeException) as e:
+        raise TracingError(
+            f"{api}: the function's Python control flow or output shape depends on "
+            f"tensor values ({e.func if hasattr(e, 'func') else e}: e.g. `if x.sum() > 0`, "
+            f"x.item(), x.tolist(), x.nonzero()). The function is traced once with "
+            f"abstract values; use torch.where for value-dependent choices, or pass the "
+            f"value as a static argument (static_argnums)."
+        ) from None
+
+
+def mutated_inputs(gm: fx.GraphModule) -> list[int]:
+    """Indices of placeholders that the functionalized graph writes back into."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default:
+            dst = n.args[0]
+            if dst in placeholders:
+                out.append(placeholders.index(dst))
+    return out

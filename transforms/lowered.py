@@ -1,0 +1,46 @@
+"""Lowered: a traced and partitioned program, for inspection (no run, no communication)."""
+
+from __future__ import annotations
+
+from sharded.passes import collectives, cost
+
+
+class Lowered:
+    """What ``pjit(f).lower(*args)`` returns.
+
+    - ``global_graph``: the single-device program (aten ops, global shapes).
+    - ``local_graph``: what this rank runs (local shapes, functional collectives).
+    - ``as_text()``: the local program as Python code, collectives annotated.
+    - ``cost()``: collectives by kind with bytes moved per call on this rank.
+    - ``collectives()``: each collective in program order.
+    """
+
+    def __init__(self, compiled, name: str):
+        self._c = compiled
+        self.name = name
+        self.global_graph = compiled.global_graph
+        self.local_graph = compiled.local_graph
+        self.mesh = compiled.mesh
+        self.in_specs = list(compiled.in_specs)
+        self.out_placements = list(compiled.out_placements)
+
+    def collectives(self):
+        return collectives(self.local_graph, self.mesh)
+
+    def cost(self) -> dict:
+        return cost(self.local_graph, self.mesh)
+
+    def as_text(self, which: str = "local") -> str:
+        gm = self.local_graph if which == "local" else self.global_graph
+        calls = {c.node: c for c in collectives(gm, self.mesh)}
+        lines = [f"# {self.name} on {self.mesh!r}, rank {self.mesh.rank}, {which} program"]
+        for line in gm.code.strip("\n").splitlines():
+            name = line.strip().split(" = ", 1)[0]
+            if name in calls:
+                line += f"  # {calls[name]}"
+            lines.append(line)
+        return "\n".join(lines)
+
+    def __repr__(self):
+        c = self.cost()["total"]
+        return f"<Lowered {self.name}: {c['count']} collectives, {c['bytes']} bytes/call>"

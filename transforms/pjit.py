@@ -1,0 +1,315 @@
+"""pjit: trace a pure function once per input signature, partition it for this rank,
+and run the per-rank program on DTensors.
+
+Pipeline (one direction): check -> key -> trace -> partition -> passes -> run.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor
+
+from sharded import _torch, _tree, sync
+from sharded.mesh import Mesh, current_mesh
+from sharded.modes import DTensorExpandMode, ParallelMode
+from sharded.passes import fingerprint
+from sharded.spec import P, check_spec, local_slice, to_placements
+from transforms._trace import trace_global, mutated_inputs
+from transforms.lowered import Lowered
+
+
+class _Unspecified:
+    def __repr__(self):
+        return "UNSPECIFIED"
+
+
+UNSPECIFIED = _Unspecified()
+
+
+def pjit(
+    fn: Callable | None = None,
+    /,
+    *,
+    in_specs,
+    out_specs=UNSPECIFIED,
+    mesh: Mesh | None = None,
+    mode: ParallelMode | None = None,
+    static_argnums: int | Sequence[int] = (),
+    donate_argnums: int | Sequence[int] = (),
+):
+    """Partition ``fn`` over ``mesh`` and return a jitted callable.
+
+    - ``in_specs``: a pytree prefix of the positional arguments (static ones left
+      out), with ``P`` or ``None`` (replicated) leaves; a single ``P`` covers all.
+      DTensor inputs are redistributed if their layout differs; plain tensors are taken
+      as the same global value on every rank and sliced locally.
+    - ``out_specs``: a pytree prefix of the outputs; ``UNSPECIFIED`` keeps the layout
+      that propagation gives (pending reductions are reduced to replicated).
+    - ``static_argnums``: positional args passed as Python values; each distinct
+      value traces a new program. Non-tensor leaves of the other args are static too.
+    - ``donate_argnums``: accepted for JAX compatibility; buffers are not reused yet.
+
+    The function is traced once per input signature (tree structure, shapes, dtypes,
+    static values, mesh, mode) and cached.
+    """
+    if fn is None:
+        return functools.partial(
+            pjit, in_specs=in_specs, out_specs=out_specs, mesh=mesh, mode=mode,
+            static_argnums=static_argnums, donate_argnums=donate_argnums,
+        )
+    return Pjit(fn, in_specs, out_specs, mesh, mode, static_argnums)
+
+
+@dataclass
+class _Signature:
+    mesh: Mesh
+    leaves: list                 # flat leaves of the dynamic args
+    treedef: Any
+    static_args: tuple
+    key: tuple
+
+
+@dataclass
+class Compiled:
+    """One traced and partitioned program (a cache entry)."""
+
+    global_graph: fx.GraphModule
+    local_graph: fx.GraphModule
+    mesh: Mesh
+    tensor_leaf: list[bool]              # which dynamic leaves are tensors
+    in_placements: list[tuple]           # per tensor leaf
+    in_specs: list[P]
+    out_treedef: Any
+    out_static: dict[int, Any]           # position -> non-tensor output value
+    out_dtensor_specs: list = field(default_factory=list)
+    out_placements: list = field(default_factory=list)
+    digest: str = ""
+    signature_lines: list = field(default_factory=list)
+    agreed: bool = False                 # ranks compared fingerprints (first call)
+
+    def run(self, leaves: list) -> Any:
+        dm = self.mesh.device_mesh
+        locals_ = []
+        for leaf, is_tensor, pl in zip(leaves, self.tensor_leaf, self._placements_iter()):
+            if not is_tensor:
+                continue
+            if isinstance(leaf, DTensor):
+                if leaf.placements != pl:
+                    leaf = leaf.redistribute(dm, pl)
+                locals_.append(_torch.local_tensor(leaf).detach())
+            else:
+                locals_.append(local_slice(leaf.detach(), pl, self.mesh))
+        outs = self.local_graph(*locals_)
+        it = iter(outs)
+        flat = []
+        n_out = len(self.out_static) + len(self.out_dtensor_specs)
+        specs = iter(self.out_dtensor_specs)
+        for i in range(n_out):
+            if i in self.out_static:
+                flat.append(self.out_static[i])
+            else:
+                flat.append(_torch.make_dtensor(next(it), next(specs)))
+        return _tree.unflatten(self.out_treedef, flat)
+
+    def _placements_iter(self):
+        it = iter(self.in_placements)
+        for is_tensor in self.tensor_leaf:
+            yield next(it) if is_tensor else None
+
+
+class Pjit:
+    """The callable that pjit returns. ``.lower(*args)`` shows the program."""
+
+    def __init__(self, fn, in_specs, out_specs, mesh, mode, static_argnums):
+        self.fn = fn
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.mesh = mesh
+        self.mode = mode if mode is not None else DTensorExpandMode()
+        if not isinstance(self.mode, ParallelMode):
+            raise TypeError(f"pjit mode must be a sharded.modes.ParallelMode; got {self.mode!r}.")
+        if isinstance(static_argnums, int):
+            static_argnums = (static_argnums,)
+        self.static_argnums = tuple(sorted(static_argnums))
+        self.name = f"pjit({getattr(fn, '__qualname__', repr(fn))})"
+        self._cache: dict[tuple, Compiled] = {}
+        self.trace_count = 0
+        functools.update_wrapper(self, fn)
+
+    # -- API ----------------------------------------------------------------
+    def __call__(self, *args):
+        sig = self._signature(args)
+        entry = self._cache.get(sig.key)
+        if entry is None or not entry.agreed:
+            try:
+                entry = entry or self._compile(sig, args)
+                outcome = (entry.digest, entry.signature_lines)
+            except Exception as e:  # noqa: BLE001 - every rank must hear about it
+                outcome = e
+            sync.agree(sig.mesh, self.name, outcome)
+            entry.agreed = True
+            self._cache[sig.key] = entry
+        return entry.run(sig.leaves)
+
+    def lower(self, *args) -> Lowered:
+        """Trace and partition for ``args`` without running (no communication)."""
+        sig = self._signature(args)
+        entry = self._cache.get(sig.key)
+        if entry is None:
+            entry = self._cache[sig.key] = self._compile(sig, args)
+        return Lowered(entry, self.name)
+
+    # -- Checks and cache key ------------------------------------------------
+    def _signature(self, args) -> _Signature:
+        mesh = current_mesh(self.mesh, self.name)
+        for i in self.static_argnums:
+            if i >= len(args):
+                raise ValueError(
+                    f"{self.name}: static_argnums has {i} but the call has {len(args)} "
+                    f"positional args."
+                )
+        static = tuple(args[i] for i in self.static_argnums)
+        dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        leaves, treedef = _tree.flatten(dyn)
+        leaf_keys = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                leaf_keys.append((tuple(x.shape), x.dtype, x.device.type))
+            else:
+                leaf_keys.append(("static", x))
+        key = (treedef, tuple(leaf_keys), static, id(mesh), self.mode.cache_key())
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(
+                f"{self.name}: non-tensor arguments are static and must be hashable; "
+                f"got an unhashable one in {leaf_keys!r:.200}. Make it a tensor or a tuple."
+            ) from None
+        return _Signature(mesh, leaves, treedef, static, key)
+
+    def _arg_paths(self, args) -> list[str]:
+        paths = []
+        for i, a in enumerate(args):
+            if i not in self.static_argnums:
+                paths.extend(_tree.leaf_paths(a, f"args[{i}]"))
+        return paths
+
+    def _leaf_specs(self, dyn: tuple) -> list[tuple[str, Any]]:
+        specs = self.in_specs
+        if not _tree.is_spec_leaf(specs):
+            if not isinstance(specs, (tuple, list)):
+                raise TypeError(
+                    f"{self.name} in_specs must be a P, None, or a tuple with one entry per "
+                    f"positional argument; got {type(specs).__name__}."
+                )
+            if len(specs) != len(dyn):
+                raise ValueError(
+                    f"{self.name} in_specs has {len(specs)} entries but the call has "
+                    f"{len(dyn)} positional args (static_argnums excluded); give one spec "
+                    f"(or pytree of specs) per argument."
+                )
+            specs = tuple(specs)
+        return _tree.broadcast_prefix(specs, dyn, f"{self.name} in_specs")
+
+    # -- Trace, partition, passes ---------------------------------------------
+    def _compile(self, sig: _Signature, args) -> Compiled:
+        mesh = sig.mesh
+        dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        leaf_specs = self._leaf_specs(dyn)
+        paths = self._arg_paths(args)
+        tensor_leaf = [isinstance(x, torch.Tensor) for x in sig.leaves]
+
+        in_specs, in_placements, metas, tensor_paths = [], [], [], []
+        for x, (spath, spec), apath in zip(sig.leaves, leaf_specs, paths):
+            if not isinstance(x, torch.Tensor):
+                continue
+            spec = P() if spec is None else spec
+            check_spec(spec, x.shape, mesh, f"{spath} (for {apath})")
+            if isinstance(x, DTensor) and x.device_mesh != mesh.device_mesh:
+                raise ValueError(
+                    f"{self.name}: {apath} is a DTensor on {x.device_mesh}, not on the "
+                    f"pjit mesh {mesh}; gather it and shard it onto this mesh."
+                )
+            in_specs.append(spec)
+            in_placements.append(to_placements(spec, mesh))
+            metas.append(x)
+            tensor_paths.append(apath)
+
+        out_info: dict[str, Any] = {}
+        flat_fn = self._flat_fn(sig, out_info)
+        self.trace_count += 1
+        global_gm = trace_global(flat_fn, metas, self.name)
+        mutated = mutated_inputs(global_gm)
+        if mutated:
+            raise ValueError(
+                f"{self.name}: the function mutates its input {tensor_paths[mutated[0]]} "
+                f"in place; pjit functions must be pure. Return the new value instead "
+                f"(e.g. `w = w - lr * g` rather than `w.sub_(lr * g)`)."
+            )
+
+        out_leaves, out_treedef = out_info["leaves"], out_info["treedef"]
+        out_specs = self._out_leaf_specs(out_leaves, out_treedef, mesh)
+        part = self.mode.partition(global_gm, in_placements, out_specs, mesh)
+        local_gm = self.mode.transform_and_compile(part.graph, mesh)
+
+        out_vals = [n for n in global_gm.graph.nodes if n.op == "output"][0].args[0]
+        out_dt_specs = [
+            _torch.build_dtensor_spec(mesh.device_mesh, pl, v.meta["val"].shape,
+                                      v.meta["val"].stride(), v.meta["val"].dtype)
+            for v, pl in zip(out_vals, part.out_placements)
+        ]
+        sig_lines = [f"input {p}: {tuple(m.shape)} {m.dtype} {s!r}"
+                     for p, m, s in zip(tensor_paths, metas, in_specs)]
+        sig_lines += [f"static args: {sig.static_args!r:.200}"]
+        digest, lines = fingerprint(local_gm, mesh, extra=tuple(sig_lines))
+        return Compiled(
+            global_graph=global_gm, local_graph=local_gm, mesh=mesh,
+            tensor_leaf=tensor_leaf, in_placements=in_placements, in_specs=in_specs,
+            out_treedef=out_treedef, out_static=out_info["static"],
+            out_dtensor_specs=out_dt_specs, out_placements=part.out_placements,
+            digest=digest, signature_lines=lines,
+        )
+
+    def _flat_fn(self, sig: _Signature, out_info: dict) -> Callable:
+        """``fn`` over flat tensors: rebuilds the args (with the static leaves) and
+        flattens the outputs, recording their structure and static leaves."""
+        leaves, treedef = sig.leaves, sig.treedef
+        statics = dict(zip(self.static_argnums, sig.static_args))
+        fn = self.fn
+
+        def flat_fn(*tensors):
+            it = iter(tensors)
+            filled = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
+            dyn = iter(_tree.unflatten(treedef, filled))
+            n = len(statics) + treedef.num_children
+            args = [statics[i] if i in statics else next(dyn) for i in range(n)]
+            out = fn(*args)
+            out_leaves, out_treedef = _tree.flatten(out)
+            out_info["leaves"], out_info["treedef"] = out_leaves, out_treedef
+            out_info["static"] = {
+                i: v for i, v in enumerate(out_leaves) if not isinstance(v, torch.Tensor)
+            }
+            return [v for v in out_leaves if isinstance(v, torch.Tensor)]
+
+        return flat_fn
+
+    def _out_leaf_specs(self, out_leaves, out_treedef, mesh) -> list:
+        tensors = [v for v in out_leaves if isinstance(v, torch.Tensor)]
+        if self.out_specs is UNSPECIFIED:
+            return [None] * len(tensors)
+        tree = _tree.unflatten(out_treedef, out_leaves)
+        matched = _tree.broadcast_prefix(self.out_specs, tree, f"{self.name} out_specs")
+        paths = _tree.leaf_paths(tree, "output")
+        specs = []
+        for v, (spath, spec), opath in zip(out_leaves, matched, paths):
+            if not isinstance(v, torch.Tensor):
+                continue
+            spec = P() if spec is None else spec
+            check_spec(spec, v.shape, mesh, f"{spath} (for {opath})")
+            specs.append(spec)
+        return specs
