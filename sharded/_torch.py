@@ -72,3 +72,33 @@ def is_partial(placement) -> bool:
 
     # _MaskPartial (row-sharded embedding) is a Partial subclass.
     return isinstance(placement, Partial)
+
+
+# NOTE [Strided-shard index helper under tracing]
+# On 2-D meshes DTensor lays out a dim split over two axes as _StridedShard, and its
+# redistribute planner calls _StridedShard.local_shard_size_and_offset, which builds
+# torch.arange(...) and calls .tolist() on it. While pjit expands a graph, the fake and
+# proxy dispatch modes are active, so that arange is fake (``.tolist()`` fails with
+# aten._local_scalar_dense) and, on success paths, bloats the trace with index ops.
+# The helper is pure integer arithmetic on static sizes, so it runs with the dispatch
+# modes suspended.
+def _patch_strided_shard_helper() -> None:
+    import functools
+
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    orig = _StridedShard.local_shard_size_and_offset
+    if getattr(orig, "_sharded_patched", False):
+        return
+
+    @functools.wraps(orig)
+    def local_shard_size_and_offset(*args, **kwargs):
+        with _disable_current_modes():
+            return orig(*args, **kwargs)
+
+    local_shard_size_and_offset._sharded_patched = True
+    _StridedShard.local_shard_size_and_offset = local_shard_size_and_offset
+
+
+_patch_strided_shard_helper()

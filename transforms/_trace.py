@@ -22,7 +22,7 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str) -> 
     fake_mode = _torch.new_fake_mode()
     with fake_mode:
         fakes = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device) for m in metas]
-    fn = torch.func.functionalize(flat_fn, remove="mutations_and_views")
+    fn = torch.func.functionalize(flat_fn, remove="mutations")
     try:
         return make_fx(fn, tracing_mode="fake")(*fakes)
     except (_torch.DataDependentOutputException, _torch.DynamicOutputShapeException) as e:
