@@ -16,6 +16,8 @@ from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
 )
 from torch.distributed.tensor import DTensor
 
+OpOverload = torch._ops.OpOverload
+
 # The functional collectives as they appear in traced graphs.
 c10d_functional = torch.ops._c10d_functional
 

@@ -102,13 +102,24 @@ def _(x, spec_id):
     return torch.empty_like(x)
 
 
-def _constraint_backward(ctx, grad):
-    return grad, None
-
-
-_constraint.register_autograd(_constraint_backward)
-
 CONSTRAINT_OP = torch.ops.sharded.sharding_constraint.default
+
+
+class _Constraint(torch.autograd.Function):
+    """Differentiable under torch.func: the cotangent gets the same layout (JAX's
+    transpose of a sharding constraint)."""
+
+    @staticmethod
+    def forward(x, spec_id):
+        return CONSTRAINT_OP(x, spec_id)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.spec_id = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Constraint.apply(grad, ctx.spec_id), None
 
 
 def with_sharding_constraint(x: torch.Tensor, spec: P, mesh: Mesh | None = None):
@@ -123,7 +134,7 @@ def with_sharding_constraint(x: torch.Tensor, spec: P, mesh: Mesh | None = None)
         mesh = mesh or Mesh.from_device_mesh(x.device_mesh)
         check_spec(spec, x.shape, mesh, "with_sharding_constraint spec")
         return x.redistribute(mesh.device_mesh, to_placements(spec, mesh))
-    return _constraint(x, _spec_id(spec))
+    return _Constraint.apply(x, _spec_id(spec))
 
 
 # ---------------------------------------------------------------------------

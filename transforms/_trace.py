@@ -18,13 +18,24 @@ class TracingError(RuntimeError):
 
 
 def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str) -> fx.GraphModule:
-    """Trace ``flat_fn`` (flat tensors in, flat tensors out) on fakes like ``metas``."""
+    """Trace ``flat_fn`` (flat tensors in, flat tensors out) on fakes like ``metas``.
+
+    # NOTE [Trace, then functionalize]
+    The function is traced as is first: torch.func.grad/vmap and autograd.Functions
+    (with_sharding_constraint, the collectives) resolve to aten ops. Only if that
+    graph has in-place ops is it traced again under functionalize (views are kept:
+    DTensor has rules for views but not for several ``*_copy`` ops). Functionalizing
+    the user function directly would fail on autograd.Functions under grad ("NYI:
+    Functionalize rule for custom_function_call").
+    """
     fake_mode = _torch.new_fake_mode()
     with fake_mode:
         fakes = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device) for m in metas]
-    fn = torch.func.functionalize(flat_fn, remove="mutations")
     try:
-        return make_fx(fn, tracing_mode="fake")(*fakes)
+        gm = make_fx(flat_fn, tracing_mode="fake")(*fakes)
+        if _has_mutations(gm):
+            gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*fakes)
+        return gm
     except (_torch.DataDependentOutputException, _torch.DynamicOutputShapeException) as e:
         raise TracingError(
             f"{api}: the function's Python control flow or output shape depends on "
@@ -33,6 +44,14 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str) -> 
             f"abstract values; use torch.where for value-dependent choices, or pass the "
             f"value as a static argument (static_argnums)."
         ) from None
+
+
+def _has_mutations(gm: fx.GraphModule) -> bool:
+    return any(
+        n.op == "call_function" and isinstance(n.target, _torch.OpOverload)
+        and n.target._schema.is_mutable
+        for n in gm.graph.nodes
+    )
 
 
 def mutated_inputs(gm: fx.GraphModule) -> list[int]:

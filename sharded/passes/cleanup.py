@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from sharded import _torch
+
 
 # In-place ops that only touch autograd metadata; DTensor's tracing leaves a few
 # ``detach_`` on fresh constants behind, which plain DCE keeps as side effects.
@@ -34,7 +36,7 @@ def _freeze(x, rep):
 
 
 def _is_pure(target) -> bool:
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, _torch.OpOverload):
         return callable(target) and getattr(target, "__module__", "") == "_operator"
     if target._schema.is_mutable:
         return False

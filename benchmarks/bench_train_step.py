@@ -1,0 +1,236 @@
+"""Train-step time of a small GPT on local gloo ranks: pjit (DP, TP) vs DDP, eager
+DTensor TP and single-device eager, side by side in one run.
+
+    python benchmarks/bench_train_step.py [--d-model 128 --layers 2 --batch 8 ...]
+
+Every rank gets ``cpu_count // world`` intra-op threads (sharded.launch's default).
+Each mode: ``--warmup`` steps, a barrier, then ``--iters`` timed steps; the reported
+time is the median step time, the slowest rank's median. Writes
+``benchmarks/results/train_step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import optree  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from examples import gpt  # noqa: E402
+from sharded import launch  # noqa: E402
+
+MODES = {
+    "single": "single-device eager (functional, sharded.optim.adamw), full batch",
+    "single_module": "single-device eager nn.Module + torch.optim.AdamW, full batch",
+    "pjit_dp": "pjit data parallel: batch P('dp'), params replicated",
+    "pjit_dp_reduced": "pjit DP, grads constrained to P() before AdamW",
+    "ddp": "DDP(nn.Module) + torch.optim.AdamW, batch split",
+    "pjit_tp": "pjit tensor parallel: tp_specs, batch replicated",
+    "dtensor_tp": "eager DTensor TP: same functional step on DTensor params from shard()",
+}
+
+
+def _timed(step, warmup: int, iters: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    dist.barrier()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return times
+
+
+def _rank_main(a: dict) -> dict:
+    import sharded.rules  # noqa: F401  (SDPA sharding rules, for eager DTensor)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from benchmarks._models import GPTModule, module_loss, train_step_reduced_grads
+    from sharded import Mesh, P, gather, optim, shard
+    from transforms import pjit
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = gpt.GPTConfig(vocab=a["vocab"], d_model=a["d_model"], n_heads=a["heads"],
+                        n_layers=a["layers"], seq=a["seq"], sdpa=not a["matmul_attn"])
+    params = gpt.init_params(cfg, 0)
+    ids, tgt = gpt.batch(cfg, a["batch"], seed=1)
+    lb = a["batch"] // world
+    my_ids, my_tgt = ids[rank * lb:(rank + 1) * lb], tgt[rank * lb:(rank + 1) * lb]
+    out: dict = {"times": {}, "loss0": {}, "first_call_s": {}, "cost": {}}
+
+    def record(mode, step, first_loss):
+        out["loss0"][mode] = first_loss
+        out["times"][mode] = _timed(step, a["warmup"], a["iters"])
+
+    for mode in a["modes"]:
+        torch.manual_seed(0)
+        if mode == "single":
+            st = {"p": params, "o": optim.adamw_init(params)}
+
+            def step():
+                st["p"], st["o"], st["loss"] = gpt.train_step(st["p"], st["o"], ids, tgt, cfg)
+            step()
+            record(mode, step, float(st["loss"]))
+
+        elif mode in ("single_module", "ddp"):
+            model = GPTModule(params, cfg)
+            x, y = (ids, tgt) if mode == "single_module" else (my_ids, my_tgt)
+            if mode == "ddp":
+                model = DDP(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+            st = {}
+
+            def step():
+                opt.zero_grad(set_to_none=True)
+                loss = module_loss(model, x, y)
+                loss.backward()
+                opt.step()
+                st["loss"] = loss.detach()
+            step()
+            loss0 = st["loss"]
+            if mode == "ddp":
+                dist.all_reduce(loss0, op=dist.ReduceOp.AVG)
+            record(mode, step, float(loss0))
+
+        elif mode in ("pjit_dp", "pjit_dp_reduced", "pjit_tp"):
+            if mode == "pjit_tp":
+                mesh = Mesh((world,), ("tp",))
+                ps, bs = gpt.tp_specs(params), P()
+            else:
+                mesh = Mesh((world,), ("dp",))
+                ps, bs = gpt.dp_specs(params), P("dp")
+            os_ = gpt.opt_specs(ps)
+            fn = train_step_reduced_grads if mode == "pjit_dp_reduced" else gpt.train_step
+            f = pjit(fn, in_specs=(ps, os_, bs, bs), out_specs=(ps, os_, P()),
+                     mesh=mesh, static_argnums=(4,))
+            st = {"p": shard(params, ps, mesh), "o": shard(optim.adamw_init(params), os_, mesh)}
+            d_ids, d_tgt = shard((ids, tgt), bs, mesh)
+            low = f.lower(st["p"], st["o"], d_ids, d_tgt, cfg)
+            out["cost"][mode] = low.cost()
+            out["cost"][mode]["local_nodes"] = len(low.local_graph.graph.nodes)
+
+            def step():
+                st["p"], st["o"], st["loss"] = f(st["p"], st["o"], d_ids, d_tgt, cfg)
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()  # first call: compile (traced by .lower above) + agree + run
+            out["first_call_s"][mode] = time.perf_counter() - t0
+            record(mode, step, float(gather(st["loss"])))
+
+        elif mode == "dtensor_tp":
+            mesh = Mesh((world,), ("tp",))
+            ps = gpt.tp_specs(params)
+            os_ = gpt.opt_specs(ps)
+            st = {"p": shard(params, ps, mesh), "o": shard(optim.adamw_init(params), os_, mesh)}
+            d_ids, d_tgt = shard((ids, tgt), P(), mesh)
+
+            def step():
+                st["p"], st["o"], st["loss"] = gpt.train_step(st["p"], st["o"], d_ids, d_tgt, cfg)
+            step()
+            record(mode, step, float(gather(st["loss"])))
+        else:
+            raise ValueError(f"unknown mode {mode!r}; choose from {list(MODES)}")
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8, help="global batch")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--matmul-attn", action="store_true", help="matmul+softmax, not SDPA")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "train_step.json"))
+    args = ap.parse_args(argv)
+    a = {k: getattr(args, k) for k in ("vocab", "d_model", "heads", "layers", "batch", "seq",
+                                       "matmul_attn", "warmup", "iters")}
+    a["modes"] = [m for m in args.modes.split(",") if m]
+    if args.batch % args.world:
+        ap.error("--batch must be divisible by --world")
+
+    t0 = time.perf_counter()
+    per_rank = launch(_rank_main, args.world, a)
+    wall = time.perf_counter() - t0
+
+    ms = {m: max(statistics.median(r["times"][m]) for r in per_rank) * 1e3 for m in a["modes"]}
+    spread = {m: (min(min(r["times"][m]) for r in per_rank) * 1e3,
+                  max(max(r["times"][m]) for r in per_rank) * 1e3) for m in a["modes"]}
+    base = ms.get("single")
+    print(f"GPT d={args.d_model} L={args.layers} H={args.heads} V={args.vocab} "
+          f"batch={args.batch} seq={args.seq} sdpa={not args.matmul_attn}; world {args.world}, "
+          f"{max(1, (os.cpu_count() or 1) // args.world)} thread(s)/rank; "
+          f"median of {args.iters} after {args.warmup} warmup")
+    print(f"{'mode':<17}{'ms/step':>9}{'min..max':>16}{'vs single':>11}{'loss@0':>9}  what")
+    for m in a["modes"]:
+        rel = f"{ms[m] / base:.2f}x" if base else "-"
+        lo, hi = spread[m]
+        print(f"{m:<17}{ms[m]:>9.1f}{f'{lo:.1f}..{hi:.1f}':>16}{rel:>11}"
+              f"{per_rank[0]['loss0'][m]:>9.4f}  {MODES[m]}")
+    ratios = {}
+    for num, den in (("pjit_dp", "ddp"), ("pjit_dp_reduced", "ddp"), ("pjit_tp", "dtensor_tp"),
+                     ("ddp", "single_module")):
+        if num in ms and den in ms:
+            ratios[f"{num}/{den}"] = ms[num] / ms[den]
+    for m in ms:
+        if base and m != "single":
+            ratios[f"{m}/single"] = ms[m] / base
+    print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    cost = per_rank[0]["cost"]
+    for m, c in cost.items():
+        kinds = {k: v["count"] for k, v in c.items() if isinstance(v, dict) and k != "total"}
+        print(f"{m}: collectives per step (rank 0) {kinds}, {c['total']['bytes']} bytes; "
+              f"{c['local_nodes']} local graph nodes; first call "
+              f"{per_rank[0]['first_call_s'][m]:.2f} s")
+    cfg = gpt.GPTConfig(vocab=args.vocab, d_model=args.d_model, n_heads=args.heads,
+                        n_layers=args.layers, seq=args.seq)
+    leaves = optree.tree_leaves(gpt.init_params(cfg, 0))
+    n_tensors, n_elems = len(leaves), sum(t.numel() for t in leaves)
+    print(f"model: {n_tensors} parameter tensors, {n_elems / 1e6:.2f} M parameters")
+    result = {
+        "benchmark": "train_step",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "world_size": args.world,
+        "threads_per_rank": max(1, (os.cpu_count() or 1) // args.world),
+        "cpu_count": os.cpu_count(),
+        "config": a,
+        "param_tensors": n_tensors,
+        "param_count": n_elems,
+        "median_ms": ms,
+        "min_max_ms": spread,
+        "ratios": ratios,
+        "loss_first_step": {m: per_rank[0]["loss0"][m] for m in a["modes"]},
+        "pjit_first_call_s": per_rank[0]["first_call_s"],
+        "pjit_cost_rank0": cost,
+        "modes": {m: MODES[m] for m in a["modes"]},
+        "times_ms_per_rank": {m: [[t * 1e3 for t in r["times"][m]] for r in per_rank]
+                              for m in a["modes"]},
+        "wall_s": wall,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"wrote {args.out} ({wall:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""pjit behaviour on real ranks: caching, static args, layouts in and out, pytrees,
+vmap, sharding constraints, the Megatron collective count, and cross-rank checks."""
+
+from collections import namedtuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from sharded import Mesh, P, gather, shard, spec_of, with_sharding_constraint
+from sharded.sync import RankMismatchError
+from tests.models import MLP_SHAPES, MLP_TP, init, mlp, specs_of
+from transforms import pjit
+
+Batch = namedtuple("Batch", ["x", "y"])
+
+
+# -- rank-side bodies ------------------------------------------------------------------
+
+def _cache_and_static():
+    mesh = Mesh((2,), ("dp",))
+    calls = []
+
+    def f(x, cfg, n):
+        calls.append(1)
+        return x * cfg["scale"] + n
+
+    g = pjit(f, in_specs=(P("dp"), None), static_argnums=(2,), mesh=mesh)
+    x = torch.arange(8.0).reshape(4, 2)
+    torch.testing.assert_close(gather(g(x, {"scale": 2.0}, 1)), x * 2 + 1)
+    g(x, {"scale": 2.0}, 1)
+    assert g.trace_count == 1 and len(calls) == 1, "same signature must not trace again"
+    torch.testing.assert_close(gather(g(x, {"scale": 2.0}, 5)), x * 2 + 5)
+    torch.testing.assert_close(gather(g(x, {"scale": 3.0}, 5)), x * 3 + 5)
+    torch.testing.assert_close(gather(g(torch.ones(6, 2), {"scale": 3.0}, 5)), torch.full((6, 2), 8.0))
+    assert g.trace_count == 4
+
+
+def _layouts_in_and_out():
+    mesh = Mesh((2,), ("dp",))
+    torch.manual_seed(0)  # plain tensors must hold the same global value on every rank
+    x = torch.randn(4, 6)
+
+    def f(x, w):
+        return x * 2, x.sum(), x @ w
+
+    w = torch.randn(6, 4)
+    g = pjit(f, in_specs=(P("dp"), P(None, "dp")), mesh=mesh)
+    # DTensor input laid out differently from in_specs: resharded on the way in.
+    xd = shard(x, P(None, "dp"), mesh)
+    for arg in (x, xd):
+        a, s, m = g(arg, w)
+        assert isinstance(a, DTensor)
+        assert spec_of(a) == P("dp"), spec_of(a)        # propagated layout
+        assert spec_of(s) == P()                         # pending sum reduced
+        torch.testing.assert_close(gather(a), x * 2)
+        torch.testing.assert_close(gather(s), x.sum())
+        torch.testing.assert_close(gather(m), x @ w)
+    # out_specs force layouts; a pytree prefix works.
+    h = pjit(f, in_specs=(P("dp"), P()), out_specs=(P(None, "dp"), P(), P()), mesh=mesh)
+    a, s, m = h(x, w)
+    assert spec_of(a) == P(None, "dp") and spec_of(m) == P()
+    torch.testing.assert_close(gather(m), x @ w)
+
+
+def _pytrees_and_vmap():
+    mesh = Mesh((2,), ("dp",))
+    torch.manual_seed(0)
+    p = init(0, MLP_SHAPES)
+    b = Batch(torch.randn(8, 8), torch.randint(0, 4, (8,)))
+
+    def per_example_grads(p, batch):
+        def loss(p, x, y):
+            return F.cross_entropy(mlp(p, x[None]), y[None])
+
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(p, batch.x, batch.y)
+
+    g = pjit(per_example_grads, in_specs=(P(), Batch(P("dp"), P("dp"))), mesh=mesh)
+    out = g(p, b)
+    assert spec_of(out["w1"]) == P("dp")
+    torch.testing.assert_close(gather(out), per_example_grads(p, b), rtol=1e-5, atol=1e-5)
+
+
+def _sharding_constraint():
+    mesh = Mesh((2,), ("dp",))
+    torch.manual_seed(0)
+    x = torch.randn(4, 4)
+
+    def f(x):
+        y = torch.sin(x)
+        y = with_sharding_constraint(y, P())      # force a gather here
+        return y.T @ y
+
+    g = pjit(f, in_specs=P("dp"), mesh=mesh)
+    lowered = g.lower(x)
+    kinds = [c.kind for c in lowered.collectives()]
+    assert kinds == ["all_gather"], kinds
+    torch.testing.assert_close(gather(g(x)), f(x))
+    # Eagerly, on a DTensor, it redistributes.
+    assert spec_of(with_sharding_constraint(shard(x, P("dp"), mesh), P(None, "dp"))) == P(None, "dp")
+
+    # Under torch.func.grad the constraint is differentiable (identity).
+    def loss(x):
+        return with_sharding_constraint(torch.sin(x), P()).pow(2).sum()
+
+    gg = pjit(torch.func.grad(loss), in_specs=P("dp"), mesh=mesh)
+    torch.testing.assert_close(gather(gg(x)), torch.func.grad(lambda x: torch.sin(x).pow(2).sum())(x))
+
+
+def _megatron_collectives(ws):
+    mesh = Mesh((ws,), ("tp",))
+    torch.manual_seed(0)
+    p, x = init(0, MLP_SHAPES), torch.randn(8, 8)
+    specs = specs_of(MLP_TP)
+
+    def step(p, x):
+        (gp, gx), loss = torch.func.grad_and_value(
+            lambda p, x: mlp(p, x).pow(2).sum(), argnums=(0, 1))(p, x)
+        return gp, gx, loss
+
+    lowered = pjit(step, in_specs=(specs, P()), out_specs=(specs, P(), P()), mesh=mesh).lower(p, x)
+    cost = lowered.cost()
+    text = lowered.as_text()
+    calls = [str(c) for c in lowered.collectives()]
+    return cost, calls, "all_reduce" in text and "over 'tp'" in text
+
+
+def _mismatched_shapes():
+    mesh = Mesh((2,), ("dp",))
+    n = 4 if mesh.rank == 0 else 8         # rank 1 is given another batch size
+    g = pjit(lambda x: x.sum(), in_specs=P("dp"), mesh=mesh)
+    try:
+        g(torch.ones(n, 2))
+    except RankMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def _one_rank_fails():
+    mesh = Mesh((2,), ("dp",))
+    n = 4 if mesh.rank == 0 else 5         # not divisible on rank 1 only
+    g = pjit(lambda x: x * 2, in_specs=P("dp"), mesh=mesh)
+    try:
+        g(torch.ones(n, 2))
+    except (RankMismatchError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+# -- tests -------------------------------------------------------------------------------
+
+def test_traces_once_per_signature_and_static_args(on_ranks):
+    on_ranks(2, _cache_and_static)
+
+
+def test_input_resharding_and_output_layouts(on_ranks):
+    on_ranks(2, _layouts_in_and_out)
+
+
+def test_namedtuple_specs_and_vmap_of_grad(on_ranks):
+    on_ranks(2, _pytrees_and_vmap)
+
+
+def test_with_sharding_constraint(on_ranks):
+    on_ranks(2, _sharding_constraint)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_megatron_mlp_has_one_all_reduce_forward_one_backward(on_ranks, ws):
+    cost, calls, annotated = on_ranks(ws, _megatron_collectives, ws)[0]
+    assert cost["all_reduce"]["count"] == 2, calls
+    assert cost["total"]["count"] == 2, calls
+    # forward: the [8, 4] output; backward: the [8, 8] input gradient.
+    assert calls == ["all_reduce sum float32[8, 4] over 'tp'", "all_reduce sum float32[8, 8] over 'tp'"]
+    assert annotated
+
+
+def test_ranks_with_different_shapes_error_instead_of_hanging(on_ranks):
+    msgs = on_ranks(2, _mismatched_shapes)
+    for m in msgs:
+        assert "ranks built different programs" in m, m
+        assert "rank 1 differs from rank 0" in m and "(4, 2)" in m and "(8, 2)" in m, m
+
+
+def test_one_rank_failing_to_compile_stops_all(on_ranks):
+    r0, r1 = on_ranks(2, _one_rank_fails)
+    assert r1.startswith("ValueError") and "does not divide" in r1, r1
+    assert r0.startswith("RankMismatchError") and "rank 1 failed to build its program" in r0, r0
