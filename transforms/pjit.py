@@ -136,7 +136,7 @@ class Pjit:
         if isinstance(static_argnums, int):
             static_argnums = (static_argnums,)
         self.static_argnums = tuple(sorted(static_argnums))
-        self.name = f"pjit({getattr(fn, '__qualname__', repr(fn))})"
+        self.name = f"pjit({getattr(fn, '__name__', type(fn).__name__)})"
         self._cache: dict[tuple, Compiled] = {}
         self.trace_count = 0
         functools.update_wrapper(self, fn)

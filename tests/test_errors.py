@@ -1,0 +1,168 @@
+"""Bad input gets a clear error that names the API, the pytree path, the shapes, the
+mesh and the fix. Each test matches the fragment a user would search for."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from sharded import Mesh, P
+from sharded.modes import ShardingRuleError
+from sharded.rules import register_sharding
+from transforms import TracingError, pjit
+
+
+@pytest.fixture(scope="module")
+def mesh1():
+    return Mesh((1,), ("dp",))
+
+
+# Two custom ops: one never gets a sharding rule, one gets it in a test.
+@torch.library.custom_op("sharded_tests::no_rule", mutates_args=())
+def _no_rule(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_no_rule.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("sharded_tests::with_rule", mutates_args=())
+def _with_rule(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_with_rule.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+# -- in_specs ---------------------------------------------------------------------------
+
+def test_in_specs_not_a_prefix_names_the_key_path(mesh1):
+    f = pjit(lambda p, x: p["w"] @ x, in_specs=({"w": P(), "b": P()}, P()), mesh=mesh1)
+    with pytest.raises(ValueError, match=r"pjit\(<lambda>\) in_specs\[0\] does not match the argument's keys: spec for key\(s\) \['b'\] not in the argument"):
+        f({"w": torch.ones(2, 2)}, torch.ones(2))
+
+
+def test_in_specs_container_where_the_argument_is_a_tensor(mesh1):
+    f = pjit(lambda p: p["w"], in_specs=({"w": {"a": P()}},), mesh=mesh1)
+    with pytest.raises(ValueError, match=r"in_specs\[0\]\['w'\] is a dict, but the argument there is a tensor of shape \(2,\)"):
+        f({"w": torch.ones(2)})
+
+
+def test_in_specs_count(mesh1):
+    f = pjit(lambda a, b: a + b, in_specs=(P(),), mesh=mesh1)
+    with pytest.raises(ValueError, match=r"in_specs has 1 entries but the call has 2 positional args"):
+        f(torch.ones(2), torch.ones(2))
+
+
+def test_in_specs_string_instead_of_P(mesh1):
+    f = pjit(lambda x: x, in_specs=("dp",), mesh=mesh1)
+    with pytest.raises(TypeError, match=r"in_specs\[0\] is 'dp'; expected P\(...\), None, or a container. Did you mean P\('dp'\)\?"):
+        f(torch.ones(2))
+
+
+def test_unknown_mesh_axis(mesh1):
+    f = pjit(lambda p: p["w"] * 2, in_specs=({"w": P("tp")},), mesh=mesh1)
+    with pytest.raises(ValueError, match=r"in_specs\[0\]\['w'\] \(for args\[0\]\['w'\]\) is P\('tp'\), which names mesh axis 'tp', but the mesh has axes \('dp',\)"):
+        f({"w": torch.ones(2)})
+
+
+def test_repeated_mesh_axis(mesh1):
+    f = pjit(lambda x: x, in_specs=P("dp", "dp"), mesh=mesh1)
+    with pytest.raises(ValueError, match=r"uses mesh axis 'dp' twice \(dims 0 and 1\)"):
+        f(torch.ones(2, 2))
+
+
+def test_spec_longer_than_the_tensor(mesh1):
+    f = pjit(lambda x: x, in_specs=P(None, "dp"), mesh=mesh1)
+    with pytest.raises(ValueError, match=r"has 2 entries, but the tensor has 1 dims \(shape \(4,\)\)"):
+        f(torch.ones(4))
+
+
+def test_out_specs_checked_against_outputs(mesh1):
+    f = pjit(lambda x: (x, x.sum()), in_specs=P(), out_specs=(P(), P("dp")), mesh=mesh1)
+    with pytest.raises(ValueError, match=r"out_specs\[1\] \(for output\[1\]\) is P\('dp'\), which has 1 entries, but the tensor has 0 dims"):
+        f(torch.ones(4))
+
+
+def _not_divisible():
+    mesh = Mesh((4,), ("dp",))
+    f = pjit(lambda p: p["w"] * 2, in_specs=({"w": P("dp")},), mesh=mesh)
+    f({"w": torch.ones(6, 2)})
+
+
+def test_dim_not_divisible(on_ranks):
+    with pytest.raises(ValueError, match=r"pjit\(<lambda>\) in_specs\[0\]\['w'\] \(for args\[0\]\['w'\]\) maps dim 0 \(size 6\) to mesh axis 'dp' \(size 4\), which does not divide it; pad the input or change the mesh"):
+        on_ranks(4, _not_divisible)
+
+
+# -- the mesh -----------------------------------------------------------------------------
+
+def test_mesh_size_must_match_world(mesh1):
+    with pytest.raises(ValueError, match=r"Mesh\(2, 2\) has 4 ranks but the world has 1"):
+        Mesh((2, 2), ("dp", "tp"))
+
+
+def test_mesh_axis_names(mesh1):
+    with pytest.raises(ValueError, match=r"Mesh axis names must be unique; 'dp' repeats"):
+        Mesh((1, 1), ("dp", "dp"))
+    with pytest.raises(ValueError, match=r"give one name per axis"):
+        Mesh((1, 1), ("dp",))
+
+
+def test_pjit_without_a_mesh():
+    f = pjit(lambda x: x, in_specs=P())
+    with pytest.raises(ValueError, match=r"pjit\(<lambda>\) needs a mesh: pass mesh=Mesh\(...\) or call it inside `with mesh:`"):
+        f(torch.ones(2))
+
+
+def test_with_mesh_context(mesh1):
+    f = pjit(lambda x: x * 2, in_specs=P("dp"))
+    with mesh1:
+        out = f(torch.ones(2))
+    torch.testing.assert_close(out.full_tensor(), torch.full((2,), 2.0))
+
+
+# -- the function ------------------------------------------------------------------------
+
+def test_input_mutation(mesh1):
+    def f(p, x):
+        p["w"].add_(x)
+        return p["w"] * 2
+
+    g = pjit(f, in_specs=(P(), P()), mesh=mesh1)
+    with pytest.raises(ValueError, match=r"mutates its input args\[0\]\['w'\] in place; pjit functions must be pure. Return the new value instead"):
+        g({"w": torch.ones(2)}, torch.ones(2))
+
+
+def test_data_dependent_control_flow(mesh1):
+    def f(x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+    with pytest.raises(TracingError, match=r"control flow or output shape depends on tensor values .* use torch.where"):
+        pjit(f, in_specs=P(), mesh=mesh1)(torch.ones(2))
+
+
+def test_op_without_sharding_rule(mesh1):
+    g = pjit(lambda x: _no_rule(x), in_specs=P("dp"), mesh=mesh1)
+    with pytest.raises(ShardingRuleError, match=r"DTensorExpandMode has no sharding rule for sharded_tests.no_rule.default .* Register one with sharded.rules.register_sharding\(sharded_tests.no_rule.default\)"):
+        g(torch.ones(4))
+
+
+def test_registered_sharding_rule_is_used(mesh1):
+    @register_sharding(torch.ops.sharded_tests.with_rule.default)
+    def _(x):
+        return [([Replicate()], [Replicate()]), ([Shard(0)], [Shard(0)])]
+
+    g = pjit(lambda x: _with_rule(x), in_specs=P("dp"), mesh=mesh1)
+    torch.testing.assert_close(g(torch.ones(4)).full_tensor(), torch.full((4,), 2.0))
+
+
+def test_unhashable_static_leaf(mesh1):
+    g = pjit(lambda x, cfg: x, in_specs=(P(), None), mesh=mesh1)
+    with pytest.raises(TypeError, match=r"non-tensor arguments are static and must be hashable"):
+        g(torch.ones(2), {1, 2})  # a set is a leaf, and unhashable
