@@ -1,0 +1,65 @@
+"""P: immutable, hashable, and converting to and from DTensor placements."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from sharded import Mesh, P, gather, shard, spec_of, visualize_sharding
+from sharded.spec import from_placements, to_placements
+
+
+class _FakeMesh:  # the conversions only need names and sizes
+    def __init__(self, shape, names):
+        self.shape, self.axis_names = shape, names
+
+
+MESH = _FakeMesh((2, 2), ("dp", "tp"))
+
+
+def test_p_is_immutable_hashable_and_ignores_trailing_none():
+    assert P("dp", None) == P("dp") and hash(P("dp", None)) == hash(P("dp"))
+    assert P(("dp",)) == P("dp")
+    assert P(("dp", "tp")) != P(("tp", "dp"))
+    assert {P("dp"): 1}[P("dp", None)] == 1
+    with pytest.raises(AttributeError):
+        P("dp").x = 1
+    assert repr(P("dp", None, ("dp", "tp"))) == "P('dp', None, ('dp', 'tp'))"
+    assert P("dp", ("a", "b")).axes() == ["dp", "a", "b"]
+    with pytest.raises(TypeError, match="P entry 0 must be None, a mesh axis name or a tuple"):
+        P(3)
+
+
+@pytest.mark.parametrize("spec, placements", [
+    (P(), (Replicate(), Replicate())),
+    (P("dp"), (Shard(0), Replicate())),
+    (P(None, "tp"), (Replicate(), Shard(1))),
+    (P("tp", "dp"), (Shard(1), Shard(0))),
+    (P(("dp", "tp")), (Shard(0), Shard(0))),
+])
+def test_placements_round_trip(spec, placements):
+    assert to_placements(spec, MESH) == placements
+    assert from_placements(placements, MESH, 2) == spec
+
+
+def test_partial_has_no_spec():
+    with pytest.raises(ValueError, match="pending reduction over mesh axis 'dp'"):
+        from_placements((Partial(), Replicate()), MESH, 2)
+
+
+def _shard_gather_2d():
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    x = torch.arange(32.0).reshape(4, 8)
+    for spec in (P("dp", "tp"), P(("dp", "tp")), P(None, ("dp", "tp")), P("tp")):
+        d = shard({"x": x}, {"x": spec}, mesh)["x"]
+        assert spec_of(d) == spec
+        torch.testing.assert_close(gather(d), x)
+    d = shard(x, P("dp", "tp"), mesh)
+    # rank r = 2 * dp + tp holds rows dp*2:(dp+1)*2 and columns tp*4:(tp+1)*4
+    dp, tp = mesh.coordinate()
+    torch.testing.assert_close(d.to_local(), x[dp * 2:dp * 2 + 2, tp * 4:tp * 4 + 4])
+    return visualize_sharding(d)
+
+
+def test_shard_gather_and_visualize_on_2x2(on_ranks):
+    text = on_ranks(4, _shard_gather_2d)[0]
+    assert "rank 3 (dp=1, tp=1): [2:4, 4:8]" in text, text
