@@ -22,7 +22,7 @@ from typing import Sequence
 import torch.fx as fx
 from torch.distributed.tensor import Placement
 
-from sharded.passes import cse, dce
+from sharded.passes import cse, dce, remove_trivial_collectives
 
 
 class ShardingRuleError(NotImplementedError):
@@ -55,7 +55,7 @@ class ParallelMode(abc.ABC):
         i-th output must have, or None to keep the propagated layout."""
 
     def transform_and_compile(self, graph: fx.GraphModule, mesh) -> fx.GraphModule:
-        return cse(dce(graph))
+        return cse(dce(remove_trivial_collectives(graph)))
 
     def cache_key(self) -> tuple:
         """What distinguishes this mode's programs in pjit's cache."""

@@ -1,6 +1,6 @@
 """Graph passes on per-rank (local) graphs."""
 
 from sharded.passes.analysis import CollectiveCall, collectives, cost, fingerprint
-from sharded.passes.cleanup import cse, dce
+from sharded.passes.cleanup import cse, dce, remove_trivial_collectives
 
-__all__ = ["CollectiveCall", "collectives", "cost", "fingerprint", "cse", "dce"]
+__all__ = ["CollectiveCall", "collectives", "cost", "fingerprint", "cse", "dce", "remove_trivial_collectives"]

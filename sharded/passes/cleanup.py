@@ -69,3 +69,25 @@ def cse(gm: fx.GraphModule) -> fx.GraphModule:
             seen[key] = node
     gm.recompile()
     return gm
+
+
+def remove_trivial_collectives(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop collectives over process groups of one rank (a mesh axis of size 1):
+    DTensor still emits them, e.g. for a Partial over a ("dp"=1, "tp"=2) mesh's dp axis.
+    Each is the identity on its input."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _torch.COLLECTIVE_OPS:
+            continue
+        if _torch.group_from_name(node.args[-1]).size() != 1:
+            continue
+        for user in list(node.users):
+            if user.target is _torch.WAIT_OP:
+                user.replace_all_uses_with(node.args[0])
+                gm.graph.erase_node(user)
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()
+    return gm
