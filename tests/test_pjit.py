@@ -148,6 +148,47 @@ def _one_rank_fails():
     return "no error"
 
 
+def _dp_adamw_bucketed():
+    from sharded import optim
+
+    mesh = Mesh((2,), ("dp",))
+    torch.manual_seed(0)
+    p = init(0, MLP_SHAPES)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+
+    def step(p, opt, x, y):
+        g, loss = torch.func.grad_and_value(lambda p: F.cross_entropy(mlp(p, x), y))(p)
+        p, opt = optim.adamw(p, g, opt, lr=1e-2)
+        return p, opt, loss
+
+    opt = optim.adamw_init(p)
+    ospec = {"step": P(), "m": P(), "v": P()}
+    f = pjit(step, in_specs=(P(), ospec, P("dp"), P("dp")), mesh=mesh)
+    out = f(p, opt, x, y)
+    torch.testing.assert_close(gather(out), step(p, opt, x, y), rtol=1e-5, atol=1e-5)
+    lowered = f.lower(p, opt, x, y)
+    code = [n for n in lowered.local_graph.graph.nodes]
+    grad_buckets = [c for c in lowered.collectives() if c.shape and c.shape[0] > 1]
+    ar = next(n for n in code if n.name == grad_buckets[0].node)
+    wait = next(iter(ar.users))
+    return ([str(c) for c in lowered.collectives()], sum(v.numel() for v in p.values()),
+            code.index(wait) - code.index(ar))
+
+
+def _no_collectives_over_size_1_axes():
+    mesh = Mesh((1, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    p, x, y = init(0, MLP_SHAPES), torch.randn(8, 8), torch.randint(0, 4, (8,))
+    specs = specs_of(MLP_TP)
+
+    def step(p, x, y):
+        return torch.func.grad_and_value(lambda p: F.cross_entropy(mlp(p, x), y))(p)
+
+    f = pjit(step, in_specs=(specs, P("dp"), P("dp")), out_specs=(specs, P()), mesh=mesh)
+    torch.testing.assert_close(gather(f(p, x, y)), step(p, x, y), rtol=1e-5, atol=1e-5)
+    return [c.axis for c in f.lower(p, x, y).collectives()]
+
+
 # -- tests -------------------------------------------------------------------------------
 
 def test_traces_once_per_signature_and_static_args(on_ranks):
@@ -187,3 +228,17 @@ def test_one_rank_failing_to_compile_stops_all(on_ranks):
     r0, r1 = on_ranks(2, _one_rank_fails)
     assert r1.startswith("ValueError") and "does not divide" in r1, r1
     assert r0.startswith("RankMismatchError") and "rank 1 failed to build its program" in r0, r0
+
+
+def test_data_parallel_gradients_are_bucketed_and_overlapped(on_ranks):
+    calls, n_params, wait_distance = on_ranks(2, _dp_adamw_bucketed)[0]
+    # One all-reduce carries every gradient (the others are the loss's scalars).
+    assert f"all_reduce sum float32[{n_params}] over 'dp'" in calls, calls
+    assert len(calls) <= 3, calls
+    # Its wait is sunk below compute that does not need it (overlap).
+    assert wait_distance > 1, wait_distance
+
+
+def test_collectives_over_size_1_axes_are_dropped(on_ranks):
+    axes = on_ranks(2, _no_collectives_over_size_1_axes)[0]
+    assert axes and set(axes) == {"tp"}, axes

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch.fx as fx
 from torch.distributed.tensor import Placement
 
-from sharded.passes import cse, dce, remove_trivial_collectives
+from sharded.passes import bucket_all_reduces, cse, dce, remove_trivial_collectives, sink_waits
 
 
 class ShardingRuleError(NotImplementedError):
@@ -55,7 +55,10 @@ class ParallelMode(abc.ABC):
         i-th output must have, or None to keep the propagated layout."""
 
     def transform_and_compile(self, graph: fx.GraphModule, mesh) -> fx.GraphModule:
-        return cse(dce(remove_trivial_collectives(graph)))
+        """Default passes: drop size-1 collectives, DCE, CSE, bucket all-reduces,
+        and sink waits so collectives overlap with compute."""
+        graph = cse(dce(remove_trivial_collectives(graph)))
+        return sink_waits(bucket_all_reduces(graph))
 
     def cache_key(self) -> tuple:
         """What distinguishes this mode's programs in pjit's cache."""
