@@ -1,0 +1,19 @@
+"""The main example runs under torchrun (the cluster path) and matches one device."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_train_example_under_torchrun():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "train.py"), "--steps", "6"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    lines = res.stdout.splitlines()
+    losses = [float(l.split()[1]) for l in lines if l.strip()[:1].isdigit()]
+    assert len(losses) == 2 and losses[-1] < losses[0], res.stdout
+    assert "loss difference over 6 steps" in res.stdout
