@@ -7,6 +7,8 @@ are used.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
@@ -104,3 +106,37 @@ def _patch_strided_shard_helper() -> None:
 
 
 _patch_strided_shard_helper()
+
+
+# NOTE [DTensor caches while expanding]
+# DTensor skips its sharding-propagation and redistribute-planner caches whenever
+# it is being traced, because torch.compile may trace with symbolic shapes, which are
+# unhashable. pjit expands with static shapes only, so the caches are safe, and
+# without them each op re-plans from scratch. While this context is active, those two
+# modules see "not tracing"; the functional collectives (which decide whether to
+# wait eagerly) are not affected.
+@contextlib.contextmanager
+def dtensor_caches_while_tracing():
+    from torch.distributed.tensor import _redistribute, _sharding_prop
+
+    saved = (_sharding_prop._are_we_tracing, _redistribute._are_we_tracing)
+    _sharding_prop._are_we_tracing = _redistribute._are_we_tracing = _not_tracing
+    try:
+        yield
+    finally:
+        _sharding_prop._are_we_tracing, _redistribute._are_we_tracing = saved
+
+
+def _not_tracing() -> bool:
+    return False
+
+
+# Multi-tensor ("foreach") math: one op over a list of tensors; the pure-functional
+# optimizers use these so that an update is a handful of graph nodes, not a dozen per
+# parameter. DTensor has sharding strategies for them.
+foreach_add = torch._foreach_add
+foreach_sub = torch._foreach_sub
+foreach_mul = torch._foreach_mul
+foreach_div = torch._foreach_div
+foreach_addcmul = torch._foreach_addcmul
+foreach_sqrt = torch._foreach_sqrt

@@ -58,7 +58,9 @@ class ParallelMode(abc.ABC):
         """Default passes: drop size-1 collectives, DCE, CSE, bucket all-reduces,
         and sink waits so collectives overlap with compute."""
         graph = cse(dce(remove_trivial_collectives(graph)))
-        return sink_waits(bucket_all_reduces(graph))
+        graph = sink_waits(bucket_all_reduces(graph))
+        graph.recompile()
+        return graph
 
     def cache_key(self) -> tuple:
         """What distinguishes this mode's programs in pjit's cache."""

@@ -95,7 +95,8 @@ class DTensorExpandMode(ParallelMode):
                 result.append(o.to_local())
             return result
 
-        local = make_fx(run_local, tracing_mode="fake")(*local_inputs)
+        with _torch.dtensor_caches_while_tracing():
+            local = make_fx(run_local, tracing_mode="fake")(*local_inputs)
         return Partitioned(local, list(out_placements))
 
 

@@ -1,4 +1,9 @@
-"""Graph passes on per-rank (local) graphs."""
+"""Graph passes on per-rank (local) graphs.
+
+Each pass edits ``gm.graph`` in place and returns ``gm`` without regenerating its
+code (that costs ~0.1 s per pass on a GPT-2-sized graph): call ``gm.recompile()``
+once after the last pass, as ``ParallelMode.transform_and_compile`` does.
+"""
 
 from sharded.passes.analysis import CollectiveCall, collectives, cost, fingerprint
 from sharded.passes.bucketing import bucket_all_reduces, sink_waits

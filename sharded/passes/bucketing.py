@@ -42,13 +42,11 @@ def bucket_all_reduces(gm: fx.GraphModule, bucket_bytes: int = DEFAULT_BUCKET_BY
     key = None
     size = 0
     earliest_use = len(nodes)
-    changed = False
 
     def flush():
-        nonlocal bucket, size, earliest_use, changed
+        nonlocal bucket, size, earliest_use
         if len(bucket) > 1:
             _merge(gm, bucket)
-            changed = True
         bucket, size, earliest_use = [], 0, len(nodes)
 
     for n in nodes:
@@ -69,9 +67,6 @@ def bucket_all_reduces(gm: fx.GraphModule, bucket_bytes: int = DEFAULT_BUCKET_BY
         first_use = min((pos[u] for u in wait.users), default=len(nodes))
         earliest_use = min(earliest_use, first_use)
     flush()
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
     return gm
 
 
@@ -116,5 +111,4 @@ def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
         first = min(n.users, key=lambda u: pos[u])
         if first is not n.next:
             first.prepend(n)
-    gm.recompile()
     return gm

@@ -21,7 +21,6 @@ def _is_impure(node: fx.Node) -> bool:
 
 def dce(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
-    gm.recompile()
     return gm
 
 
@@ -67,7 +66,6 @@ def cse(gm: fx.GraphModule) -> fx.GraphModule:
             gm.graph.erase_node(node)
         else:
             seen[key] = node
-    gm.recompile()
     return gm
 
 
@@ -75,7 +73,6 @@ def remove_trivial_collectives(gm: fx.GraphModule) -> fx.GraphModule:
     """Drop collectives over process groups of one rank (a mesh axis of size 1):
     DTensor still emits them, e.g. for a Partial over a ("dp"=1, "tp"=2) mesh's dp axis.
     Each is the identity on its input."""
-    changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _torch.COLLECTIVE_OPS:
             continue
@@ -87,7 +84,4 @@ def remove_trivial_collectives(gm: fx.GraphModule) -> fx.GraphModule:
                 gm.graph.erase_node(user)
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
-        changed = True
-    if changed:
-        gm.recompile()
     return gm
