@@ -3,6 +3,7 @@
 Function transforms (pjit, shard_map) live in the ``transforms`` package.
 """
 
+from sharded import rules  # registers the project's sharding rules with DTensor
 from sharded.api import gather, shard, spec_of, visualize_sharding, with_sharding_constraint
 from sharded.launch import RankPool, launch
 from sharded.mesh import Mesh
@@ -10,5 +11,5 @@ from sharded.spec import P, PartitionSpec
 
 __all__ = [
     "Mesh", "P", "PartitionSpec", "shard", "gather", "spec_of",
-    "with_sharding_constraint", "visualize_sharding", "launch", "RankPool",
+    "with_sharding_constraint", "visualize_sharding", "launch", "RankPool", "rules",
 ]
