@@ -20,6 +20,11 @@ from torch.distributed.tensor import DTensor
 
 OpOverload = torch._ops.OpOverload
 
+
+def is_mutating_op(target) -> bool:
+    """True for an aten/custom op overload that writes into one of its inputs."""
+    return isinstance(target, OpOverload) and target._schema.is_mutable
+
 # The functional collectives as they appear in traced graphs.
 c10d_functional = torch.ops._c10d_functional
 
@@ -34,7 +39,8 @@ WAIT_OP = c10d_functional.wait_tensor.default
 
 
 def new_fake_mode() -> FakeTensorMode:
-    return FakeTensorMode(allow_non_fake_inputs=False)
+    # Real tensors closed over by the function become constants of the graph.
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def group_from_name(name: str) -> dist.ProcessGroup:
@@ -140,3 +146,10 @@ foreach_mul = torch._foreach_mul
 foreach_div = torch._foreach_div
 foreach_addcmul = torch._foreach_addcmul
 foreach_sqrt = torch._foreach_sqrt
+
+
+def suspend_dispatch_modes():
+    """Run code outside the active fake/proxy modes (e.g. to infer shapes while tracing)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()

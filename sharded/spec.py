@@ -69,6 +69,9 @@ class P:
     def __repr__(self):
         return "P(" + ", ".join(repr(e) for e in self._entries) + ")"
 
+    def __reduce__(self):
+        return (P, self._entries)
+
     # -- helpers --------------------------------------------------------------
     def axes(self) -> list[str]:
         """Every mesh axis named by this spec, in order of appearance."""
@@ -183,7 +186,10 @@ def from_placements(placements: Iterable[Placement], mesh, ndim: int) -> P:
             )
         elif not isinstance(pl, Replicate):
             raise ValueError(f"unsupported placement {pl!r} on mesh axis {axis!r}")
-    return P(*[None if not e else (e[0] if len(e) == 1 else tuple(e)) for e in entries])
+    out = [None if not e else (e[0] if len(e) == 1 else tuple(e)) for e in entries]
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
 
 
 def local_shape(shape: Sequence[int], spec: P, mesh) -> tuple[int, ...]:

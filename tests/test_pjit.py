@@ -64,6 +64,21 @@ def _layouts_in_and_out():
     torch.testing.assert_close(gather(m), x @ w)
 
 
+def _unspecified_per_output_and_strided_inputs():
+    from transforms import UNSPECIFIED
+
+    mesh = Mesh((2,), ("dp",))
+    x = torch.arange(24.0).reshape(4, 6)
+    f = pjit(lambda x: (x * 2, x.sum(0)), in_specs=P("dp"), out_specs=(UNSPECIFIED, P()), mesh=mesh)
+    a, b = f(x)
+    assert spec_of(a) == P("dp") and spec_of(b) == P()
+    # A cache hit with a non-contiguous DTensor (same shape, other strides).
+    g = pjit(lambda x: x.reshape(-1), in_specs=P(), mesh=mesh)
+    g(x)
+    t = shard(torch.arange(24.0).reshape(6, 4), P(), mesh).T
+    torch.testing.assert_close(gather(g(t)), torch.arange(24.0).reshape(6, 4).T.reshape(-1))
+
+
 def _pytrees_and_vmap():
     mesh = Mesh((2,), ("dp",))
     torch.manual_seed(0)
@@ -197,6 +212,10 @@ def test_traces_once_per_signature_and_static_args(on_ranks):
 
 def test_input_resharding_and_output_layouts(on_ranks):
     on_ranks(2, _layouts_in_and_out)
+
+
+def test_unspecified_per_output_and_strided_inputs(on_ranks):
+    on_ranks(2, _unspecified_per_output_and_strided_inputs)
 
 
 def test_namedtuple_specs_and_vmap_of_grad(on_ranks):

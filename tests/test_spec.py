@@ -27,6 +27,9 @@ def test_p_is_immutable_hashable_and_ignores_trailing_none():
     assert P("dp", ("a", "b")).axes() == ["dp", "a", "b"]
     with pytest.raises(TypeError, match="P entry 0 must be None, a mesh axis name or a tuple"):
         P(3)
+    import pickle
+
+    assert pickle.loads(pickle.dumps(P("dp", None, ("a", "b")))) == P("dp", None, ("a", "b"))
 
 
 @pytest.mark.parametrize("spec, placements", [
@@ -39,6 +42,7 @@ def test_p_is_immutable_hashable_and_ignores_trailing_none():
 def test_placements_round_trip(spec, placements):
     assert to_placements(spec, MESH) == placements
     assert from_placements(placements, MESH, 2) == spec
+    assert repr(from_placements(placements, MESH, 2)) == repr(spec)  # no trailing Nones
 
 
 def test_partial_has_no_spec():

@@ -4,6 +4,7 @@ only, with torch.func.grad / vmap / einops already resolved."""
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Sequence
 
 import torch
@@ -15,6 +16,22 @@ from sharded import _torch
 
 class TracingError(RuntimeError):
     """The function cannot be traced into a static program."""
+
+
+_STATE = threading.local()
+
+
+def in_global_trace() -> bool:
+    """True while pjit traces a function into its global (single-device) graph."""
+    return getattr(_STATE, "depth", 0) > 0
+
+
+class _global_trace:
+    def __enter__(self):
+        _STATE.depth = getattr(_STATE, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _STATE.depth -= 1
 
 
 def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str) -> fx.GraphModule:
@@ -32,7 +49,8 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str) -> 
     with fake_mode:
         fakes = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device) for m in metas]
     try:
-        gm = make_fx(flat_fn, tracing_mode="fake")(*fakes)
+        with _global_trace():
+            gm = make_fx(flat_fn, tracing_mode="fake")(*fakes)
         if _has_mutations(gm):
             gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*fakes)
         return gm
@@ -47,11 +65,7 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str) -> 
 
 
 def _has_mutations(gm: fx.GraphModule) -> bool:
-    return any(
-        n.op == "call_function" and isinstance(n.target, _torch.OpOverload)
-        and n.target._schema.is_mutable
-        for n in gm.graph.nodes
-    )
+    return any(n.op == "call_function" and _torch.is_mutating_op(n.target) for n in gm.graph.nodes)
 
 
 def mutated_inputs(gm: fx.GraphModule) -> list[int]:

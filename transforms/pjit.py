@@ -101,7 +101,8 @@ class Compiled:
             if isinstance(leaf, DTensor):
                 if leaf.placements != pl:
                     leaf = leaf.redistribute(dm, pl)
-                locals_.append(_torch.local_tensor(leaf).detach())
+                # the program was traced on contiguous shards (views inside it assume so)
+                locals_.append(_torch.local_tensor(leaf).detach().contiguous())
             else:
                 locals_.append(local_slice(leaf.detach(), pl, self.mesh))
         outs = self.local_graph(*locals_)
@@ -139,7 +140,10 @@ class Pjit:
         self.name = f"pjit({getattr(fn, '__name__', type(fn).__name__)})"
         self._cache: dict[tuple, Compiled] = {}
         self.trace_count = 0
-        functools.update_wrapper(self, fn)
+        # Name and docs only: a __wrapped__ attribute would let torch.func (and
+        # inspect) call the raw function, bypassing this wrapper.
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.__doc__ = getattr(fn, "__doc__", None)
 
     # -- API ----------------------------------------------------------------
     def __call__(self, *args):
@@ -303,11 +307,16 @@ class Pjit:
         if self.out_specs is UNSPECIFIED:
             return [None] * len(tensors)
         tree = _tree.unflatten(out_treedef, out_leaves)
-        matched = _tree.broadcast_prefix(self.out_specs, tree, f"{self.name} out_specs")
+        matched = _tree.broadcast_prefix(
+            self.out_specs, tree, f"{self.name} out_specs",
+            is_leaf=lambda x: _tree.is_spec_leaf(x) or x is UNSPECIFIED)
         paths = _tree.leaf_paths(tree, "output")
         specs = []
         for v, (spath, spec), opath in zip(out_leaves, matched, paths):
             if not isinstance(v, torch.Tensor):
+                continue
+            if spec is UNSPECIFIED:       # this output keeps its propagated layout
+                specs.append(None)
                 continue
             spec = P() if spec is None else spec
             check_spec(spec, v.shape, mesh, f"{spath} (for {opath})")

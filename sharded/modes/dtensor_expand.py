@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from sharded import _torch, rules  # noqa: F401  (rules registers the project's shardings)
+from sharded import _manual, _torch, rules  # noqa: F401  (rules registers the project's shardings)
 from sharded.api import CONSTRAINT_OP, constraint_spec
 from sharded.modes.base import ParallelMode, Partitioned, ShardingRuleError
 from sharded.spec import check_spec, local_shape, from_placements, to_placements
@@ -112,9 +112,41 @@ class _Expander(fx.Interpreter):
             spec = constraint_spec(spec_id)
             check_spec(spec, x.shape, self.mesh, "with_sharding_constraint spec")
             return x.redistribute(self.mesh.device_mesh, to_placements(spec, self.mesh))
+        if target is _manual.SHARD_MAP_OP:
+            inputs, body_id = args
+            body = _manual.get_body(body_id)
+            outs = _manual.run_body(body, self._locals(inputs, body.in_placements))
+            return self._globals(outs, body.out_placements, body.out_shapes)
+        if target is _manual.SHARD_MAP_VJP_OP:
+            inputs, cts, body_id = args
+            body = _manual.get_body(body_id)
+            grads = _manual.run_body_vjp(body, self._locals(inputs, body.in_placements),
+                                         self._locals(cts, body.out_placements))
+            return self._globals(grads, body.in_placements, [x.shape for x in inputs])
         if isinstance(target, _torch.OpOverload):
             args, kwargs = self._reduce_partials(target, args, kwargs)
         return super().call_function(target, args, kwargs)
+
+    def _locals(self, xs, placements):
+        """This rank's shards of ``xs`` laid out as ``placements`` (a manual region's
+        inputs)."""
+        dm = self.mesh.device_mesh
+        out = []
+        for x, pl in zip(xs, placements):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, dm, [Replicate()] * self.mesh.ndim, run_check=False)
+            if tuple(x.placements) != tuple(pl):
+                x = x.redistribute(dm, pl)
+            out.append(x.to_local())
+        return out
+
+    def _globals(self, locals_, placements, shapes):
+        dm = self.mesh.device_mesh
+        return [
+            DTensor.from_local(x, dm, pl, run_check=False, shape=torch.Size(shape),
+                               stride=_contiguous_strides(shape))
+            for x, pl, shape in zip(locals_, placements, shapes)
+        ]
 
     def _reduce_partials(self, target, args, kwargs):
         dts = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
@@ -169,3 +201,11 @@ def _layouts(interp, n) -> list[str]:
         elif isinstance(v, torch.Tensor):
             out.append(f"{a.name}: {tuple(v.shape)} plain")
     return out
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))

@@ -37,7 +37,7 @@ def _freeze(x, rep):
 def _is_pure(target) -> bool:
     if not isinstance(target, _torch.OpOverload):
         return callable(target) and getattr(target, "__module__", "") == "_operator"
-    if target._schema.is_mutable:
+    if _torch.is_mutating_op(target):
         return False
     return torch.Tag.nondeterministic_seeded not in target.tags
 

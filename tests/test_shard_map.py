@@ -1,0 +1,237 @@
+"""shard_map and the named-axis collectives: forward values and gradients equal the
+single-device program, on real gloo ranks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from sharded import Mesh, P, gather, shard, spec_of
+from sharded import collectives as C
+from tests.models import MLP_SHAPES, MLP_TP, init, mlp, specs_of
+from transforms import pjit, shard_map
+
+
+def _check_fwd_and_grad(mesh, region, reference, args, in_specs):
+    """``region`` (a shard_map) and ``reference`` (single-device) agree on the value and
+    on the gradients of ``(out * weight).sum()`` for every float argument, with the
+    gradient taken by torch.func.grad inside pjit."""
+    out = region(*args)
+    ref = reference(*args)
+    torch.testing.assert_close(gather(out), ref, rtol=1e-5, atol=1e-5)
+    weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9))
+    argnums = tuple(i for i, a in enumerate(args)
+                    if not isinstance(a, torch.Tensor) or a.dtype.is_floating_point)
+
+    def loss_of(f):
+        return lambda *a: (f(*a) * weight).sum()
+
+    g = pjit(torch.func.grad(loss_of(region), argnums=argnums), in_specs=in_specs, mesh=mesh)
+    grads = g(*args)
+    ref_grads = torch.func.grad(loss_of(reference), argnums=argnums)(*args)
+    torch.testing.assert_close(gather(grads), ref_grads, rtol=1e-5, atol=1e-5)
+    return g.lower(*args)
+
+
+# -- rank-side bodies --------------------------------------------------------------------
+
+def _megatron_by_hand(ws):
+    mesh = Mesh((ws,), ("tp",))
+    torch.manual_seed(0)
+    p, x = init(0, MLP_SHAPES), torch.randn(6, 8)
+    specs = specs_of(MLP_TP)
+
+    def body(p, x):
+        h = torch.relu(F.linear(x, p["w1"], p["b1"]))
+        return C.psum(h @ p["w2"].T, "tp") + p["b2"]
+
+    region = shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P())
+    lowered = _check_fwd_and_grad(mesh, region, mlp, (p, x), (specs, P()))
+    return [str(c) for c in lowered.collectives()]
+
+
+def _data_parallel_pmean(ws):
+    mesh = Mesh((ws,), ("dp",))
+    torch.manual_seed(0)
+    p, x, y = init(0, MLP_SHAPES), torch.randn(8, 8), torch.randint(0, 4, (8,))
+
+    def local_loss(p, x, y):
+        return C.pmean(F.cross_entropy(mlp(p, x), y), "dp")
+
+    region = shard_map(local_loss, mesh=mesh, in_specs=(P(), P("dp"), P("dp")), out_specs=P())
+    loss = region(p, x, y)
+    torch.testing.assert_close(gather(loss), F.cross_entropy(mlp(p, x), y))
+    step = pjit(torch.func.grad_and_value(region), in_specs=(P(), P("dp"), P("dp")), mesh=mesh)
+    grads, loss = step(p, x, y)
+    ref_grads, ref_loss = torch.func.grad_and_value(lambda p: F.cross_entropy(mlp(p, x), y))(p)
+    torch.testing.assert_close(gather(grads), ref_grads, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gather(loss), ref_loss)
+    return [str(c) for c in step.lower(p, x, y).collectives()]
+
+
+def _ring(ws):
+    mesh = Mesh((ws,), ("dp",))
+    x = torch.randn(ws * 2, 3, generator=torch.Generator().manual_seed(1))
+    ring = [(i, (i + 1) % ws) for i in range(ws)]
+    region = shard_map(lambda x: C.ppermute(x * x, "dp", ring), mesh=mesh,
+                       in_specs=P("dp"), out_specs=P("dp"))
+    # block i moves to position i + 1: a roll of the blocks
+    _check_fwd_and_grad(mesh, region, lambda x: torch.roll(x * x, 2, 0), (x,), (P("dp"),))
+
+
+def _all_to_all_swaps_the_sharded_dim(ws):
+    mesh = Mesh((ws,), ("ep",))
+    x = torch.randn(ws * 2, ws * 3, generator=torch.Generator().manual_seed(2))
+    region = shard_map(lambda x: C.all_to_all(torch.sin(x), "ep", split_dim=1, concat_dim=0),
+                       mesh=mesh, in_specs=P("ep"), out_specs=P(None, "ep"))
+    out = region(x)
+    assert spec_of(out) == P(None, "ep")
+    _check_fwd_and_grad(mesh, region, torch.sin, (x,), (P("ep"),))
+
+
+def _gather_scatter_round_trips(ws):
+    mesh = Mesh((ws,), ("dp",))
+    x = torch.randn(ws * 2, 3, generator=torch.Generator().manual_seed(3))
+    gathered = shard_map(lambda x: C.all_gather(torch.sin(x), "dp", tiled=True), mesh=mesh,
+                         in_specs=P("dp"), out_specs=P())
+    _check_fwd_and_grad(mesh, gathered, torch.sin, (x,), (P("dp"),))
+    stacked = shard_map(lambda x: C.all_gather(x, "dp", dim=1), mesh=mesh,
+                        in_specs=P("dp"), out_specs=P())
+    torch.testing.assert_close(gather(stacked(x)), x.reshape(ws, 2, 3).transpose(0, 1))
+    # all_gather then psum_scatter: every rank adds the same full value: ws * x.
+    round_trip = shard_map(
+        lambda x: C.psum_scatter(C.all_gather(x, "dp", tiled=True), "dp", tiled=True),
+        mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    _check_fwd_and_grad(mesh, round_trip, lambda x: ws * x, (x,), (P("dp"),))
+    # psum_scatter of per-rank partial sums, then all_gather back: the full sum.
+    reduce_then_gather = shard_map(
+        lambda x: C.all_gather(C.psum_scatter(x.repeat(ws, 1), "dp", tiled=True), "dp", tiled=True),
+        mesh=mesh, in_specs=P("dp"), out_specs=P())
+    _check_fwd_and_grad(mesh, reduce_then_gather,
+                        lambda x: x.reshape(ws, 2, 3).sum(0).repeat(ws, 1), (x,), (P("dp"),))
+
+
+def _axis_index(ws):
+    mesh = Mesh((ws,), ("dp",))
+    x = torch.randn(ws * 2, 3, generator=torch.Generator().manual_seed(4))
+    region = shard_map(lambda x: x * (C.axis_index("dp") + 1) + C.axis_size("dp"), mesh=mesh,
+                       in_specs=P("dp"), out_specs=P("dp"))
+    scale = torch.arange(1, ws + 1).repeat_interleave(2)[:, None]
+    _check_fwd_and_grad(mesh, region, lambda x: x * scale + ws, (x,), (P("dp"),))
+
+
+def _two_d_mesh():
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(5))
+    over_tp = shard_map(lambda x: C.psum(torch.sin(x), "tp"), mesh=mesh,
+                        in_specs=P("dp", "tp"), out_specs=P("dp"))
+    _check_fwd_and_grad(mesh, over_tp, lambda x: torch.sin(x).reshape(4, 2, 3).sum(1),
+                        (x,), (P("dp", "tp"),))
+    over_both = shard_map(lambda x: C.psum(torch.sin(x), ("dp", "tp")), mesh=mesh,
+                          in_specs=P("dp", "tp"), out_specs=P())
+    _check_fwd_and_grad(mesh, over_both, lambda x: torch.sin(x).reshape(2, 2, 2, 3).sum((0, 2)),
+                        (x,), (P("dp", "tp"),))
+    mean_both = shard_map(lambda x: C.pmean(x.sum(), ("dp", "tp")), mesh=mesh,
+                          in_specs=P("dp", "tp"), out_specs=P())
+    torch.testing.assert_close(gather(mean_both(x)), x.sum() / 4)
+    mx = shard_map(lambda x: C.pmax(x, ("dp", "tp")), mesh=mesh, in_specs=P("dp", "tp"), out_specs=P())
+    torch.testing.assert_close(gather(mx(x)), x.reshape(2, 2, 2, 3).amax((0, 2)))
+
+
+def _eager_inputs_and_pjit_composition():
+    mesh = Mesh((2,), ("dp",))
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(6))
+    region = shard_map(lambda x: C.psum(x.sum(0, keepdim=True), "dp"), mesh=mesh,
+                       in_specs=P("dp"), out_specs=P())
+    for arg in (x, shard(x, P("dp"), mesh), shard(x, P(), mesh)):
+        out = region(arg)
+        assert isinstance(out, DTensor) and spec_of(out) == P()
+        torch.testing.assert_close(gather(out), x.sum(0, keepdim=True))
+    # A manual region inside an automatically partitioned program.
+    f = pjit(lambda x: region(torch.cos(x)) * 2 + x.mean(), in_specs=P("dp"), mesh=mesh)
+    torch.testing.assert_close(gather(f(x)), torch.cos(x).sum(0, keepdim=True) * 2 + x.mean())
+    text = region.lower(x).as_text()
+    assert "_c10d_functional.all_reduce" in text, text
+
+
+def _errors():
+    mesh = Mesh((2,), ("dp",))
+    x = torch.randn(4, 3)
+    msgs = {}
+    for name, fn, kw, arg in [
+        ("unknown_axis", lambda x: C.psum(x, "tp"), dict(in_specs=P("dp"), out_specs=P()), x),
+        ("varying_out", lambda x: x * 2, dict(in_specs=P("dp"), out_specs=P()), x),
+        ("in_specs", lambda x: x, dict(in_specs=(P(), P()), out_specs=P()), x),
+        ("not_divisible", lambda x: x, dict(in_specs=P("dp"), out_specs=P("dp")), torch.ones(3, 2)),
+        ("nested", lambda x: shard_map(lambda y: y, mesh=mesh, in_specs=P(), out_specs=P())(x),
+         dict(in_specs=P("dp"), out_specs=P("dp")), x),
+    ]:
+        try:
+            shard_map(fn, mesh=mesh, **kw)(arg)
+            msgs[name] = "no error"
+        except Exception as e:  # noqa: BLE001
+            msgs[name] = f"{type(e).__name__}: {e}"
+    try:
+        C.psum(x, "dp")
+        msgs["outside"] = "no error"
+    except RuntimeError as e:
+        msgs["outside"] = str(e)
+    # check_vma=False lets a varying value through (the user vouches for it).
+    out = shard_map(lambda x: x.sum() * 0, mesh=mesh, in_specs=P("dp"), out_specs=P(),
+                    check_vma=False)(x)
+    torch.testing.assert_close(gather(out), torch.zeros(()))
+    return msgs
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_megatron_mlp_by_hand(on_ranks, ws):
+    calls = on_ranks(ws, _megatron_by_hand, ws)[0]
+    # the forward psum and the input gradient's psum (transpose of the implicit pvary)
+    assert calls == ["all_reduce sum float32[6, 4] over 'tp'", "all_reduce sum float32[6, 8] over 'tp'"], calls
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_data_parallel_step_with_pmean(on_ranks, ws):
+    calls = on_ranks(ws, _data_parallel_pmean, ws)[0]
+    # the loss's pmean, and one psum of the parameter gradients (bucketed)
+    assert len(calls) == 2 and all(c.startswith("all_reduce sum") for c in calls), calls
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_ppermute_ring(on_ranks, ws):
+    on_ranks(ws, _ring, ws)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_all_to_all(on_ranks, ws):
+    on_ranks(ws, _all_to_all_swaps_the_sharded_dim, ws)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_all_gather_psum_scatter_round_trips(on_ranks, ws):
+    on_ranks(ws, _gather_scatter_round_trips, ws)
+
+
+def test_axis_index(on_ranks):
+    on_ranks(4, _axis_index, 4)
+
+
+def test_collectives_over_one_and_both_axes_of_a_2x2_mesh(on_ranks):
+    on_ranks(4, _two_d_mesh)
+
+
+def test_eager_on_dtensors_and_plain_tensors_and_inside_pjit(on_ranks):
+    on_ranks(2, _eager_inputs_and_pjit_composition)
+
+
+def test_errors(on_ranks):
+    m = on_ranks(2, _errors)[0]
+    assert "psum: mesh axis 'tp' is not in the shard_map mesh; its axes are ('dp',)" in m["unknown_axis"], m
+    assert ("shard_map(<lambda>): shard_map(<lambda>) out_specs (for output) does not name mesh axis "
+            "'dp', so the output must be the same on every rank along it") in m["varying_out"], m
+    assert "in_specs has 2 entries but the call has 1 positional args" in m["in_specs"], m
+    assert "maps dim 0 (size 3) to mesh axis 'dp' (size 2), which does not divide it" in m["not_divisible"], m
+    assert "shard_map inside a shard_map body is not supported" in m["nested"], m
+    assert "runs only inside a shard_map body" in m["outside"], m
