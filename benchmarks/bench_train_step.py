@@ -4,8 +4,10 @@ DTensor TP and single-device eager, side by side in one run.
     python benchmarks/bench_train_step.py [--d-model 128 --layers 2 --batch 8 ...]
 
 Every rank gets ``cpu_count // world`` intra-op threads (sharded.launch's default).
-Each mode: ``--warmup`` steps, a barrier, then ``--iters`` timed steps; the reported
-time is the median step time, the slowest rank's median. Writes
+Every mode is set up and run ``--warmup`` times, then the modes are timed round-robin
+(one step of each per round, ``--iters`` rounds, a barrier before every step) so that
+load from outside hits all modes alike; the reported time is the median step time,
+the slowest rank's median. Writes
 ``benchmarks/results/train_step.json``.
 """
 
@@ -30,6 +32,19 @@ import torch.distributed as dist  # noqa: E402
 from examples import gpt  # noqa: E402
 from sharded import launch  # noqa: E402
 
+
+def _git_rev() -> str:
+    import subprocess
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
 MODES = {
     "single": "single-device eager (functional, sharded.optim.adamw), full batch",
     "single_module": "single-device eager nn.Module + torch.optim.AdamW, full batch",
@@ -41,15 +56,20 @@ MODES = {
 }
 
 
-def _timed(step, warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        step()
-    dist.barrier()
-    times = []
+def _timed_interleaved(steps: dict, warmup: int, iters: int) -> dict[str, list[float]]:
+    """Warm every mode up, then time them round-robin (one step of each mode per
+    round, a barrier before each step), so that load from outside the benchmark hits
+    every mode alike."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {m: [] for m in steps}
     for _ in range(iters):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+        for mode, step in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            times[mode].append(time.perf_counter() - t0)
     dist.barrier()
     return times
 
@@ -70,12 +90,13 @@ def _rank_main(a: dict) -> dict:
     lb = a["batch"] // world
     my_ids, my_tgt = ids[rank * lb:(rank + 1) * lb], tgt[rank * lb:(rank + 1) * lb]
     out: dict = {"times": {}, "loss0": {}, "first_call_s": {}, "cost": {}}
+    steps: dict = {}
 
     def record(mode, step, first_loss):
         out["loss0"][mode] = first_loss
-        out["times"][mode] = _timed(step, a["warmup"], a["iters"])
+        steps[mode] = step
 
-    for mode in a["modes"]:
+    def setup(mode):  # one scope per mode: the step closures must not share names
         torch.manual_seed(0)
         if mode == "single":
             st = {"p": params, "o": optim.adamw_init(params)}
@@ -143,6 +164,10 @@ def _rank_main(a: dict) -> dict:
             record(mode, step, float(gather(st["loss"])))
         else:
             raise ValueError(f"unknown mode {mode!r}; choose from {list(MODES)}")
+
+    for mode in a["modes"]:
+        setup(mode)
+    out["times"] = _timed_interleaved(steps, a["warmup"], a["iters"])
     return out
 
 
@@ -178,7 +203,7 @@ def main(argv=None):
     print(f"GPT d={args.d_model} L={args.layers} H={args.heads} V={args.vocab} "
           f"batch={args.batch} seq={args.seq} sdpa={not args.matmul_attn}; world {args.world}, "
           f"{max(1, (os.cpu_count() or 1) // args.world)} thread(s)/rank; "
-          f"median of {args.iters} after {args.warmup} warmup")
+          f"median of {args.iters} interleaved rounds after {args.warmup} warmup")
     print(f"{'mode':<17}{'ms/step':>9}{'min..max':>16}{'vs single':>11}{'loss@0':>9}  what")
     for m in a["modes"]:
         rel = f"{ms[m] / base:.2f}x" if base else "-"
@@ -209,6 +234,7 @@ def main(argv=None):
         "benchmark": "train_step",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__,
+        "git": _git_rev(),
         "world_size": args.world,
         "threads_per_rank": max(1, (os.cpu_count() or 1) // args.world),
         "cpu_count": os.cpu_count(),

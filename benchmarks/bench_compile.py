@@ -1,0 +1,298 @@
+"""Compile time of pjit (trace + partition: the first ``.lower(...)``) for a
+GPT-2-small-shaped train step (grad + AdamW) on a ("dp", "tp") mesh of local ranks,
+against plain single-process ``make_fx(functionalize(step), tracing_mode="fake")``.
+
+    python benchmarks/bench_compile.py [--layers 12 --batch 2 --seq 128 --world 4]
+
+Parameters are ``torch.empty`` tensors (never initialised, nothing is computed):
+tracing only reads shapes. Times reported:
+
+Every timing follows a warm-up trace of a 1-layer tiny model (one-time costs).
+
+- ``make_fx (parent)``: the plain trace in the parent process, alone on the machine.
+- ``make_fx (rank)``: the same trace on every rank at once, under the same CPU
+  contention as the ranks' ``.lower`` (world size > cores oversubscribes the CPU).
+- ``lower``: the first ``pjit(...).lower(...)`` on every rank at once, split into
+  trace (the global graph), partition (DTensor expansion) and passes (DCE/CSE and
+  the collective fingerprint).
+
+Wall and CPU (``time.process_time``) seconds are both reported: tracing is
+single-threaded Python, so CPU time is the number that does not depend on how
+oversubscribed the machine is. The ratio ``lower / make_fx (rank)`` compares like
+with like (make_fx on the ranks is the mean of a run just before and just after). Writes
+``benchmarks/results/compile.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import optree  # noqa: E402
+import torch  # noqa: E402
+
+from examples import gpt  # noqa: E402
+from sharded import launch  # noqa: E402
+
+
+def _git_rev() -> str:
+    import subprocess
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def _cfg(a, tiny: bool = False) -> gpt.GPTConfig:
+    if tiny:  # for warm-up: same ops, small shapes
+        return gpt.tiny(n_layers=a["layers"], seq=a["seq"], sdpa=not a["matmul_attn"])
+    return gpt.gpt2_small(n_layers=a["layers"], sdpa=not a["matmul_attn"])
+
+
+def _empty_like_tree(tree):
+    return optree.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype), tree)
+
+
+def _inputs(a, tiny: bool = False):
+    """Uninitialised params / AdamW state with GPT-2-small shapes, and a batch."""
+    cfg = _cfg(a, tiny)
+    params = _empty_params(cfg)
+    opt = {"step": torch.zeros(()), "m": _empty_like_tree(params), "v": _empty_like_tree(params)}
+    ids = torch.zeros(a["batch"], a["seq"], dtype=torch.long)
+    return cfg, params, opt, ids, ids.clone()
+
+
+def _empty_params(cfg: gpt.GPTConfig) -> dict:
+    d, h = cfg.d_model, cfg.mlp_ratio * cfg.d_model
+    e = torch.empty
+    return {
+        "wte": e(cfg.vocab, d), "wpe": e(cfg.seq, d),
+        "blocks": [{
+            "ln1_w": e(d), "ln1_b": e(d),
+            "attn": {"wq": e(d, d), "wk": e(d, d), "wv": e(d, d), "wo": e(d, d)},
+            "ln2_w": e(d), "ln2_b": e(d),
+            "mlp": {"up": e(h, d), "down": e(d, h)},
+        } for _ in range(cfg.n_layers)],
+        "lnf_w": e(d), "lnf_b": e(d),
+    }
+
+
+def plain_make_fx(a, tiny: bool = False) -> tuple[float, float, int]:
+    """Wall seconds, CPU seconds and node count of make_fx(functionalize(train_step)) on fakes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    cfg, params, opt, ids, tgt = _inputs(a, tiny)
+    leaves, treedef = optree.tree_flatten((params, opt, ids, tgt))
+
+    def flat(*xs):
+        p, o, i, t = optree.tree_unflatten(treedef, list(xs))
+        return optree.tree_leaves(gpt.train_step(p, o, i, t, cfg))
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    gm = make_fx(torch.func.functionalize(flat, remove="mutations_and_views"),
+                 tracing_mode="fake")(*leaves)
+    return time.perf_counter() - t0, time.process_time() - c0, len(gm.graph.nodes)
+
+
+class _Timers:
+    """Wraps pjit's pipeline stages with timers (benchmark-side monkeypatching only)."""
+
+    def __init__(self):
+        import transforms  # noqa: F401
+        pj = sys.modules["transforms.pjit"]  # (transforms.pjit the attribute is the function)
+        from sharded.modes import DTensorExpandMode
+
+        self.t = {"trace": 0.0, "partition": 0.0, "passes": 0.0, "fingerprint": 0.0}
+        self.cpu = dict(self.t)
+        self._undo = []
+        self._wrap(pj, "trace_global", "trace")
+        self._wrap(pj, "fingerprint", "fingerprint")
+        self._wrap(DTensorExpandMode, "partition", "partition")
+        self._wrap(DTensorExpandMode, "transform_and_compile", "passes")
+
+    def _wrap(self, owner, name, key):
+        orig = getattr(owner, name)
+        t, cpu = self.t, self.cpu
+
+        def timed(*args, **kw):
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                return orig(*args, **kw)
+            finally:
+                t[key] += time.perf_counter() - t0
+                cpu[key] += time.process_time() - c0
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, orig))
+
+    def restore(self):
+        for owner, name, orig in reversed(self._undo):
+            setattr(owner, name, orig)
+
+
+def _rank_main(a: dict) -> dict:
+    import torch.distributed as dist
+
+    from sharded import Mesh, P
+    from transforms import pjit
+
+    dp, tp = a["mesh"]
+    mesh = Mesh((dp, tp), ("dp", "tp"))
+    cfg, params, opt, ids, tgt = _inputs(a)
+    ps = gpt.tp_specs(params)
+    os_ = gpt.opt_specs(ps)
+    bs = P("dp")
+    out = {}
+
+    # Warm up one-time costs (dispatch caches, lazy imports, DTensor's sharding-prop
+    # caches for the same op set) on a 1-layer tiny model before timing anything.
+    warm = {**a, "layers": 1}
+    plain_make_fx(warm, tiny=True)
+    tcfg, tp_, to_, ti, tt = _inputs(warm, tiny=True)
+    tps = gpt.tp_specs(tp_)
+    pjit(gpt.train_step, in_specs=(tps, gpt.opt_specs(tps), P("dp"), P("dp")),
+         out_specs=(tps, gpt.opt_specs(tps), P()), mesh=mesh,
+         static_argnums=(4,)).lower(tp_, to_, ti, tt, tcfg)
+
+    dist.barrier()
+    mk_before = plain_make_fx(a)
+    out["make_fx_nodes"] = mk_before[2]
+
+    f = pjit(gpt.train_step, in_specs=(ps, os_, bs, bs), out_specs=(ps, os_, P()),
+             mesh=mesh, static_argnums=(4,))
+    timers = _Timers()
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    low = f.lower(params, opt, ids, tgt, cfg)
+    out["lower_s"], out["lower_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+    timers.restore()
+    out["stages_s"], out["stages_cpu_s"] = dict(timers.t), dict(timers.cpu)
+    dist.barrier()
+    mk_after = plain_make_fx(a)
+    # The machine is oversubscribed (and may be shared): the baseline is the mean of a
+    # trace just before and one just after the lower.
+    out["make_fx_s"] = (mk_before[0] + mk_after[0]) / 2
+    out["make_fx_cpu_s"] = (mk_before[1] + mk_after[1]) / 2
+    out["make_fx_runs"] = [mk_before[:2], mk_after[:2]]
+    out["global_nodes"] = len(low.global_graph.graph.nodes)
+    out["local_nodes"] = len(low.local_graph.graph.nodes)
+    cost = low.cost()
+    out["cost"] = cost
+    by_axis: dict = {}
+    for c in low.collectives():
+        key = f"{c.kind} over {c.axis}"
+        by_axis[key] = by_axis.get(key, 0) + 1
+    out["collectives_by_axis"] = by_axis
+    t0 = time.perf_counter()
+    f.lower(params, opt, ids, tgt, cfg)
+    out["cached_lower_s"] = time.perf_counter() - t0
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=2, help="global batch (sharded over dp)")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--mesh", default="2x2", help="dp x tp, e.g. 2x2 or 1x2")
+    ap.add_argument("--matmul-attn", action="store_true")
+    ap.add_argument("--skip-parent", action="store_true", help="no parent make_fx timing")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compile.json"))
+    args = ap.parse_args(argv)
+    dp, tp = (int(x) for x in args.mesh.lower().split("x"))
+    world = dp * tp
+    a = {"layers": args.layers, "batch": args.batch, "seq": args.seq, "mesh": (dp, tp),
+         "matmul_attn": args.matmul_attn}
+    cfg = _cfg(a)
+    print(f"GPT-2-small shapes: d={cfg.d_model} heads={cfg.n_heads} vocab={cfg.vocab} "
+          f"layers={cfg.n_layers}; batch {args.batch} x seq {args.seq}; train step "
+          f"(grad_and_value + AdamW); mesh dp={dp} x tp={tp} ({world} ranks, "
+          f"{os.cpu_count()} cores)")
+
+    parent = None
+    if not args.skip_parent:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        plain_make_fx({**a, "layers": 1}, tiny=True)  # warm-up
+        parent_s, parent_cpu, parent_nodes = plain_make_fx(a)
+        parent = {"make_fx_s": parent_s, "make_fx_cpu_s": parent_cpu, "nodes": parent_nodes}
+        print(f"make_fx (parent, alone): {parent_s:.2f} s wall, {parent_cpu:.2f} s CPU "
+              f"({parent_nodes} nodes)")
+
+    t0 = time.perf_counter()
+    per_rank = launch(_rank_main, world, a)
+    wall = time.perf_counter() - t0
+
+    def med(key):
+        return statistics.median(r[key] for r in per_rank)
+
+    mk, lw, mkc, lwc = med("make_fx_s"), med("lower_s"), med("make_fx_cpu_s"), med("lower_cpu_s")
+    st = {k: statistics.median(r["stages_cpu_s"][k] for r in per_rank)
+          for k in per_rank[0]["stages_cpu_s"]}
+    r0 = per_rank[0]
+    print(f"{'(median over ' + str(world) + ' ranks, all at once)':<36}{'wall s':>8}{'CPU s':>8}")
+    print(f"{'make_fx (mean of before/after)':<36}{mk:>8.2f}{mkc:>8.2f}")
+    print(f"{'pjit first .lower':<36}{lw:>8.2f}{lwc:>8.2f}")
+    print("  lower stages (CPU s): " + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
+    print(f"ratio lower / make_fx: {lw / mk:.2f}x wall, {lwc / mkc:.2f}x CPU"
+          + (f";  lower wall / parent make_fx wall: {lw / parent['make_fx_s']:.2f}x" if parent else ""))
+    print(f"cached .lower: {r0['cached_lower_s'] * 1e3:.1f} ms")
+    print(f"nodes: global graph {r0['global_nodes']} (plain make_fx {r0['make_fx_nodes']}), "
+          f"local graph (rank 0) {r0['local_nodes']}")
+    kinds = {k: v for k, v in r0["cost"].items() if k != "total"}
+    print("collectives (rank 0): " + ", ".join(
+        f"{k} x{v['count']} ({v['bytes'] / 2**20:.1f} MiB)" for k, v in kinds.items())
+        + f"; by axis {r0['collectives_by_axis']}")
+    print(f"per layer: lower {lwc / cfg.n_layers:.2f} CPU s, make_fx {mkc / cfg.n_layers:.2f} "
+          f"CPU s (includes the embedding/head/AdamW share)")
+
+    result = {
+        "benchmark": "compile",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "git": _git_rev(),
+        "world_size": world,
+        "mesh": {"dp": dp, "tp": tp},
+        "cpu_count": os.cpu_count(),
+        "config": {**a, "d_model": cfg.d_model, "n_heads": cfg.n_heads, "vocab": cfg.vocab,
+                   "wpe_rows": cfg.seq, "step": "grad_and_value + sharded.optim.adamw"},
+        "make_fx_parent": parent,
+        "make_fx_rank_s": [r["make_fx_s"] for r in per_rank],
+        "make_fx_rank_cpu_s": [r["make_fx_cpu_s"] for r in per_rank],
+        "make_fx_rank_runs_wall_cpu_s": [r["make_fx_runs"] for r in per_rank],
+        "lower_s": [r["lower_s"] for r in per_rank],
+        "lower_cpu_s": [r["lower_cpu_s"] for r in per_rank],
+        "lower_stages_s": [r["stages_s"] for r in per_rank],
+        "lower_stages_cpu_s": [r["stages_cpu_s"] for r in per_rank],
+        "ratio_lower_over_make_fx_rank": lw / mk,
+        "ratio_lower_over_make_fx_rank_cpu": lwc / mkc,
+        "ratio_lower_over_make_fx_parent": lw / parent["make_fx_s"] if parent else None,
+        "cached_lower_s": r0["cached_lower_s"],
+        "global_nodes": r0["global_nodes"],
+        "local_nodes": [r["local_nodes"] for r in per_rank],
+        "make_fx_nodes": r0["make_fx_nodes"],
+        "cost_rank0": r0["cost"],
+        "collectives_by_axis_rank0": r0["collectives_by_axis"],
+        "wall_s": wall,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"wrote {args.out} ({wall:.0f} s on the ranks)")
+
+
+if __name__ == "__main__":
+    main()
