@@ -21,6 +21,11 @@ from torch.distributed.tensor import DTensor
 OpOverload = torch._ops.OpOverload
 
 
+def op_arg_names(target) -> list[str]:
+    """Argument names of an op overload's schema."""
+    return [a.name for a in target._schema.arguments]
+
+
 def is_mutating_op(target) -> bool:
     """True for an aten/custom op overload that writes into one of its inputs."""
     return isinstance(target, OpOverload) and target._schema.is_mutable

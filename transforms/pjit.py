@@ -14,7 +14,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from sharded import _torch, _tree, sync
+from sharded import _torch, _tree, random as srandom, sync
+from sharded.random.rewrite import rewrite_random_ops
 from sharded.mesh import Mesh, current_mesh
 from sharded.modes import DTensorExpandMode, ParallelMode
 from sharded.passes import fingerprint
@@ -88,6 +89,7 @@ class Compiled:
     out_static: dict[int, Any]           # position -> non-tensor output value
     out_dtensor_specs: list = field(default_factory=list)
     out_placements: list = field(default_factory=list)
+    n_draws: int = 0                     # random draws per call (counter-based RNG)
     digest: str = ""
     signature_lines: list = field(default_factory=list)
     agreed: bool = False                 # ranks compared fingerprints (first call)
@@ -105,6 +107,8 @@ class Compiled:
                 locals_.append(_torch.local_tensor(leaf).detach().contiguous())
             else:
                 locals_.append(local_slice(leaf.detach(), pl, self.mesh))
+        if self.n_draws:
+            locals_.extend(srandom._take(self.n_draws, _mesh_device(self.mesh)))
         outs = self.local_graph(*locals_)
         it = iter(outs)
         flat = []
@@ -156,6 +160,8 @@ class Pjit:
             except Exception as e:  # noqa: BLE001 - every rank must hear about it
                 outcome = e
             sync.agree(sig.mesh, self.name, outcome)
+            if entry.n_draws:
+                srandom._agree_on_seed(sig.mesh)
             entry.agreed = True
             self._cache[sig.key] = entry
         return entry.run(sig.leaves)
@@ -258,7 +264,9 @@ class Pjit:
 
         out_leaves, out_treedef = out_info["leaves"], out_info["treedef"]
         out_specs = self._out_leaf_specs(out_leaves, out_treedef, mesh)
-        part = self.mode.partition(global_gm, in_placements, out_specs, mesh)
+        n_draws = rewrite_random_ops(global_gm, self.name)
+        rng_placements = [to_placements(P(), mesh)] * 2 if n_draws else []  # seed, offset
+        part = self.mode.partition(global_gm, in_placements + rng_placements, out_specs, mesh)
         local_gm = self.mode.transform_and_compile(part.graph, mesh)
 
         out_vals = [n for n in global_gm.graph.nodes if n.op == "output"][0].args[0]
@@ -276,7 +284,7 @@ class Pjit:
             tensor_leaf=tensor_leaf, in_placements=in_placements, in_specs=in_specs,
             out_treedef=out_treedef, out_static=out_info["static"],
             out_dtensor_specs=out_dt_specs, out_placements=part.out_placements,
-            digest=digest, signature_lines=lines,
+            n_draws=n_draws, digest=digest, signature_lines=lines,
         )
 
     def _flat_fn(self, sig: _Signature, out_info: dict) -> Callable:
@@ -322,3 +330,9 @@ class Pjit:
             check_spec(spec, v.shape, mesh, f"{spath} (for {opath})")
             specs.append(spec)
         return specs
+
+
+def _mesh_device(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)

@@ -17,12 +17,14 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sharded import _manual, _torch, rules  # noqa: F401  (rules registers the project's shardings)
 from sharded.api import CONSTRAINT_OP, constraint_spec
+from sharded.random import philox
+from sharded.random.rewrite import RNG_OP, sample
 from sharded.modes.base import ParallelMode, Partitioned, ShardingRuleError
 from sharded.spec import check_spec, local_shape, from_placements, to_placements
 
@@ -112,6 +114,8 @@ class _Expander(fx.Interpreter):
             spec = constraint_spec(spec_id)
             check_spec(spec, x.shape, self.mesh, "with_sharding_constraint spec")
             return x.redistribute(self.mesh.device_mesh, to_placements(spec, self.mesh))
+        if target is RNG_OP:
+            return self._random(self._node, *args, **kwargs)
         if target is _manual.SHARD_MAP_OP:
             inputs, body_id = args
             body = _manual.get_body(body_id)
@@ -126,6 +130,36 @@ class _Expander(fx.Interpreter):
         if isinstance(target, _torch.OpOverload):
             args, kwargs = self._reduce_partials(target, args, kwargs)
         return super().call_function(target, args, kwargs)
+
+    def _random(self, n, seed, offset, draw, shape, kind, a, b, dtype, like=None, p=None):
+        """This rank's block of a random draw (NOTE [Random numbers that do not depend
+        on the mesh]): computed from the global indices of the elements it holds."""
+        placements = self._random_layout(n, shape, like, p)
+        local_shape, starts = list(shape), [0] * len(shape)
+        coord = self.mesh.coordinate()
+        for axis_i, pl in enumerate(placements):
+            if type(pl) is Shard:
+                local_shape[pl.dim] //= self.mesh.shape[axis_i]
+                starts[pl.dim] += coord[axis_i] * local_shape[pl.dim]
+        seed, offset = seed.to_local(), offset.to_local()
+        index = philox.global_indices(shape, local_shape, starts, device=seed.device)
+        p_local = self._locals([p], [placements])[0] if p is not None else None
+        values = sample(seed, offset + draw, index, kind, a, b, dtype, p_local)
+        return DTensor.from_local(values, self.mesh.device_mesh, placements, run_check=False,
+                                  shape=torch.Size(shape), stride=_contiguous_strides(shape))
+
+    def _random_layout(self, n, shape, like, p):
+        """Where a draw's block should live: like its probabilities or its like-tensor,
+        else like a same-shaped operand of a consumer, else replicated."""
+        shape = tuple(shape)
+        candidates = [p, like] + [
+            self.env.get(a) for u in n.users for a in u.all_input_nodes if a is not n
+        ]
+        for c in candidates:
+            if isinstance(c, DTensor) and tuple(c.shape) == shape and all(
+                    type(pl) in (Shard, Replicate) or _torch.is_partial(pl) for pl in c.placements):
+                return tuple(Replicate() if _torch.is_partial(pl) else pl for pl in c.placements)
+        return (Replicate(),) * self.mesh.ndim
 
     def _locals(self, xs, placements):
         """This rank's shards of ``xs`` laid out as ``placements`` (a manual region's
@@ -170,6 +204,7 @@ class _Expander(fx.Interpreter):
         return a
 
     def run_node(self, n):
+        self._node = n
         try:
             result = super().run_node(n)
             if len(n.users) > 1 and isinstance(result, DTensor):
