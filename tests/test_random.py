@@ -151,3 +151,16 @@ def test_attention_kernel_with_dropout_is_an_error():
     f = pjit(lambda q: flash(q, q, q, 0.1)[0], in_specs=P(), mesh=mesh)
     with pytest.raises(NotImplementedError, match=r"with dropout_p > 0 \(attention dropout\) has no counter-based rewrite yet"):
         f(torch.randn(1, 2, 4, 8))
+
+
+def test_compiled_local_graph_draws_the_same_bits():
+    from sharded.modes import DTensorExpandMode
+
+    mesh = Mesh((1,), ("dp",))
+    x = torch.randn(64)
+    outs = []
+    for mode in (DTensorExpandMode(), DTensorExpandMode(compile=True)):
+        srandom.manual_seed(11)
+        outs.append(pjit(lambda x: (F.dropout(x, 0.5), torch.rand(64)), in_specs=P(), mesh=mesh, mode=mode)(x))
+    for a, b in zip(*outs):
+        assert torch.equal(a.full_tensor(), b.full_tensor())

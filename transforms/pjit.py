@@ -81,6 +81,7 @@ class Compiled:
 
     global_graph: fx.GraphModule
     local_graph: fx.GraphModule
+    runner: Any                          # runs the local graph (it, or a compiled form)
     mesh: Mesh
     tensor_leaf: list[bool]              # which dynamic leaves are tensors
     in_placements: list[tuple]           # per tensor leaf
@@ -109,7 +110,7 @@ class Compiled:
                 locals_.append(local_slice(leaf.detach(), pl, self.mesh))
         if self.n_draws:
             locals_.extend(srandom._take(self.n_draws, _mesh_device(self.mesh)))
-        outs = self.local_graph(*locals_)
+        outs = self.runner(*locals_)
         it = iter(outs)
         flat = []
         n_out = len(self.out_static) + len(self.out_dtensor_specs)
@@ -280,7 +281,7 @@ class Pjit:
         sig_lines += [f"static args: {sig.static_args!r:.200}"]
         digest, lines = fingerprint(local_gm, mesh, extra=tuple(sig_lines))
         return Compiled(
-            global_graph=global_gm, local_graph=local_gm, mesh=mesh,
+            global_graph=global_gm, local_graph=local_gm, runner=self.mode.runner(local_gm), mesh=mesh,
             tensor_leaf=tensor_leaf, in_placements=in_placements, in_specs=in_specs,
             out_treedef=out_treedef, out_static=out_info["static"],
             out_dtensor_specs=out_dt_specs, out_placements=part.out_placements,

@@ -7,7 +7,8 @@ functionalized) into the program one rank runs, in two steps:
   value and expand the graph for THIS rank (local shapes, rank-dependent constants,
   collectives). Returns a ``Partitioned``.
 - ``transform_and_compile(local_graph, mesh)``: mode-specific passes on the local
-  graph (at least dead-code elimination); may compile it.
+  graph (at least dead-code elimination); ``runner(graph)`` gives what runs it each
+  call (the graph, or a compiled form of it).
 
 Modes are chosen per pjit call (``pjit(..., mode=...)``); the default is
 ``DTensorExpandMode()``.
@@ -60,6 +61,11 @@ class ParallelMode(abc.ABC):
         graph = cse(dce(remove_trivial_collectives(graph)))
         graph = sink_waits(bucket_all_reduces(graph))
         graph.recompile()
+        return graph
+
+    def runner(self, graph: fx.GraphModule):
+        """What runs the local graph each call (the graph itself, or a compiled form
+        of it). The graph stays the inspectable program (``Lowered``)."""
         return graph
 
     def cache_key(self) -> tuple:

@@ -57,9 +57,25 @@ class DTensorExpandMode(ParallelMode):
 
     A pending reduction (Partial) left on an output whose spec is unspecified is
     reduced to Replicate, so outputs always have a PartitionSpec.
+
+    ``compile=True`` runs the local graph through ``torch.compile`` (inductor): it
+    fuses elementwise chains such as the counter-based RNG's, at a compile cost of
+    seconds to a minute on CPU.
     """
 
     name = "DTensorExpandMode"
+
+    def __init__(self, *, compile: bool = False):
+        self.compile = compile
+
+    def runner(self, graph):
+        return torch.compile(graph, backend="inductor", fullgraph=True) if self.compile else graph
+
+    def cache_key(self) -> tuple:
+        return (type(self).__name__, self.compile)
+
+    def __repr__(self):
+        return f"DTensorExpandMode(compile={self.compile})"
 
     def partition(self, graph, in_placements, out_specs, mesh) -> Partitioned:
         dm = mesh.device_mesh
