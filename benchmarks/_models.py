@@ -12,6 +12,22 @@ from examples import gpt
 from sharded import P, optim, with_sharding_constraint
 
 
+def git_rev() -> str:
+    """The repository's revision, ``+dirty`` with uncommitted changes (for results)."""
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                             capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
 class GPTModule(nn.Module):
     """Holds the params of ``gpt.init_params`` as a flat ParameterList and runs
     ``gpt.forward`` on them (same math as the functional model)."""

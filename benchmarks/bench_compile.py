@@ -41,20 +41,8 @@ import optree  # noqa: E402
 import torch  # noqa: E402
 
 from examples import gpt  # noqa: E402
+from benchmarks._models import git_rev  # noqa: E402
 from sharded import launch  # noqa: E402
-
-
-def _git_rev() -> str:
-    import subprocess
-
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                             capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return rev + ("+dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def _cfg(a, tiny: bool = False) -> gpt.GPTConfig:
@@ -263,7 +251,7 @@ def main(argv=None):
         "benchmark": "compile",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__,
-        "git": _git_rev(),
+        "git": git_rev(),
         "world_size": world,
         "mesh": {"dp": dp, "tp": tp},
         "cpu_count": os.cpu_count(),

@@ -30,20 +30,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from examples import gpt  # noqa: E402
+from benchmarks._models import git_rev  # noqa: E402
 from sharded import launch  # noqa: E402
 
-
-def _git_rev() -> str:
-    import subprocess
-
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                             capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return rev + ("+dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 MODES = {
     "single": "single-device eager (functional, sharded.optim.adamw), full batch",
@@ -234,7 +223,7 @@ def main(argv=None):
         "benchmark": "train_step",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__,
-        "git": _git_rev(),
+        "git": git_rev(),
         "world_size": args.world,
         "threads_per_rank": max(1, (os.cpu_count() or 1) // args.world),
         "cpu_count": os.cpu_count(),
