@@ -58,7 +58,9 @@ class manual_region:
 
     def __init__(self, ctx: ManualContext):
         self.ctx = ctx
-        self.mode = _VmaMode(ctx) if ctx.check_vma else None
+        # Always tracked: the implicit pvary is what makes gradients right;
+        # check_vma only decides whether outputs are checked against their specs.
+        self.mode = _VmaMode(ctx)
 
     def __enter__(self):
         if getattr(_STATE, "ctx", None) is not None:
@@ -109,8 +111,11 @@ class _VmaMode(TorchFunctionMode):
             return func(*args, **kwargs)
         flat, spec = _flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        if not tensors:
-            return func(*args, **kwargs)
+        if not tensors:   # factories (zeros, arange, tensor(...)): the same on every rank
+            out = func(*args, **kwargs)
+            for r in _flatten(out)[0]:
+                set_vma(r, ())
+            return out
         sets = [vma_of(t) for t in tensors]
         union = frozenset().union(*sets)
         if len(set(sets)) > 1 and _is_compute(func):
@@ -233,7 +238,7 @@ def _body_outputs(body: ManualBody, local_inputs: list, describe=None) -> list:
             if extra:
                 axis = sorted(extra)[0]
                 raise ValueError(
-                    f"{body.name}: {path} does not name mesh axis {axis!r}, so the "
+                    f"{path} does not name mesh axis {axis!r}, so the "
                     f"output must be the same on every rank along it, but the function "
                     f"leaves it varying over {axis!r}. Reduce it (psum/pmean/"
                     f"all_gather over {axis!r}) or add {axis!r} to its spec. "

@@ -54,6 +54,11 @@ def group_from_name(name: str) -> dist.ProcessGroup:
     return _resolve_process_group(name)
 
 
+def is_functorch_wrapped(x: torch.Tensor) -> bool:
+    """Is ``x`` a torch.func (grad/vmap) wrapper of a tensor?"""
+    return torch._C._functorch.is_functorch_wrapped_tensor(x)
+
+
 def local_tensor(dt: DTensor) -> torch.Tensor:
     """The local shard of a DTensor without going through autograd (hot path)."""
     return dt._local_tensor

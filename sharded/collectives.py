@@ -119,17 +119,24 @@ def _all_to_all(x, axis, split_dim, concat_dim):
 
 
 def _ppermute(x, axis, perm):
-    """Send to ``dst`` for each (src, dst); ranks no one sends to get zeros."""
+    """Send to ``dst`` for each (src, dst); ranks no one sends to get zeros.
+
+    The send buffer is ``x`` times a one-hot constant over destinations, so the graph
+    has the same structure on every rank (only the constant's values differ). Building
+    it by placing ``x`` into a rank-dependent slot would let CSE merge two ppermutes'
+    all-to-alls on one rank and not on another, pairing different collectives across
+    ranks.
+    """
     n, me = _size([axis]), _index(axis)
-    blocks = [torch.zeros_like(x) for _ in range(n)]
-    for src, dst in perm:
-        if src == me:
-            blocks[dst] = x
-    recv = _exchange(torch.stack(blocks), axis)  # recv[s] came from s
-    for src, dst in perm:
-        if dst == me:
-            return recv[src]
-    return torch.zeros_like(x)
+    dst_of = dict(perm)
+    src_of = {d: s for s, d in perm}
+
+    def one_hot(j):   # a constant of the graph (distinct per call), never mutated
+        values = [1.0 if i == j else 0.0 for i in range(n)]
+        return torch.tensor(values, dtype=x.dtype, device=x.device).view(n, *([1] * x.ndim))
+
+    recv = _exchange(x.unsqueeze(0) * one_hot(dst_of.get(me)), axis)   # recv[s] came from s
+    return (recv * one_hot(src_of.get(me))).sum(0)
 
 
 class _raw:

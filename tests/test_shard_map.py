@@ -183,6 +183,44 @@ def _errors():
     return msgs
 
 
+def _regressions():
+    mesh = Mesh((2,), ("dp",))
+    x = torch.arange(4.0).reshape(2, 2)
+
+    # Several ppermutes in one body: each rank routes each one correctly (a rank-
+    # dependent send buffer once let CSE merge different ppermutes on one rank only).
+    def perms(x):
+        return torch.stack([C.ppermute(x, "dp", p) for p in
+                            ([(0, 1)], [(0, 1), (1, 0)], [(1, 0)], [(1, 0), (0, 1)])])
+
+    out = gather(shard_map(perms, mesh=mesh, in_specs=P("dp"), out_specs=P(None, "dp"))(x))
+    z = torch.zeros(1, 2)
+    torch.testing.assert_close(out, torch.stack(
+        [torch.cat([z, x[:1]]), x.flip(0), torch.cat([x[1:], z]), x.flip(0)]))
+
+    # Tensors a body creates from nothing are the same on every rank (invariant).
+    total = shard_map(lambda x: C.psum(x.sum(), "dp") + torch.zeros(()), mesh=mesh,
+                      in_specs=P("dp"), out_specs=P())(x)
+    torch.testing.assert_close(gather(total), x.sum())
+
+    # check_vma=False skips the output check but keeps gradients right.
+    torch.manual_seed(0)
+    p, xs, y = init(0, MLP_SHAPES), torch.randn(8, 8), torch.randint(0, 4, (8,))
+    region = shard_map(lambda p, x, y: C.pmean(F.cross_entropy(mlp(p, x), y), "dp"),
+                       mesh=mesh, in_specs=(P(), P("dp"), P("dp")), out_specs=P(), check_vma=False)
+    grads = pjit(torch.func.grad(region), in_specs=(P(), P("dp"), P("dp")), mesh=mesh)(p, xs, y)
+    ref = torch.func.grad(lambda p: F.cross_entropy(mlp(p, xs), y))(p)
+    torch.testing.assert_close(gather(grads), ref, rtol=1e-5, atol=1e-6)
+
+    # A torch.func transform around an eager call is a clear error.
+    f = shard_map(lambda x: C.psum(x.sum(), "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    try:
+        torch.func.grad(lambda x: f(x).to_local())(x)
+        return "no error"
+    except TypeError as e:
+        return str(e)
+
+
 # -- tests ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("ws", [2, 4])
@@ -229,9 +267,14 @@ def test_eager_on_dtensors_and_plain_tensors_and_inside_pjit(on_ranks):
 def test_errors(on_ranks):
     m = on_ranks(2, _errors)[0]
     assert "psum: mesh axis 'tp' is not in the shard_map mesh; its axes are ('dp',)" in m["unknown_axis"], m
-    assert ("shard_map(<lambda>): shard_map(<lambda>) out_specs (for output) does not name mesh axis "
+    assert ("ValueError: shard_map(<lambda>) out_specs (for output) does not name mesh axis "
             "'dp', so the output must be the same on every rank along it") in m["varying_out"], m
     assert "in_specs has 2 entries but the call has 1 positional args" in m["in_specs"], m
     assert "maps dim 0 (size 3) to mesh axis 'dp' (size 2), which does not divide it" in m["not_divisible"], m
     assert "shard_map inside a shard_map body is not supported" in m["nested"], m
     assert "runs only inside a shard_map body" in m["outside"], m
+
+
+def test_regressions(on_ranks):
+    msg = on_ranks(2, _regressions)[0]
+    assert "was called inside a torch.func transform (grad, vmap, ...); a pjit/shard_map call is not differentiable from outside" in msg, msg

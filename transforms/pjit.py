@@ -189,6 +189,13 @@ class Pjit:
         leaves, treedef = _tree.flatten(dyn)
         leaf_keys = []
         for x in leaves:
+            if isinstance(x, torch.Tensor) and _torch.is_functorch_wrapped(x):
+                raise TypeError(
+                    f"{self.name} was called inside a torch.func transform (grad, vmap, "
+                    f"...); a pjit/shard_map call is not differentiable from outside. Put "
+                    f"the transform inside the function instead: "
+                    f"pjit(torch.func.grad(loss), ...)."
+                )
             if isinstance(x, torch.Tensor):
                 leaf_keys.append((tuple(x.shape), x.dtype, x.device.type))
             else:
@@ -219,10 +226,11 @@ class Pjit:
                     f"positional argument; got {type(specs).__name__}."
                 )
             if len(specs) != len(dyn):
+                excluded = " (static_argnums excluded)" if self.static_argnums else ""
                 raise ValueError(
                     f"{self.name} in_specs has {len(specs)} entries but the call has "
-                    f"{len(dyn)} positional args (static_argnums excluded); give one spec "
-                    f"(or pytree of specs) per argument."
+                    f"{len(dyn)} positional args{excluded}; give one spec (or pytree of "
+                    f"specs) per argument."
                 )
             specs = tuple(specs)
         return _tree.broadcast_prefix(specs, dyn, f"{self.name} in_specs")
