@@ -87,6 +87,14 @@ def hash_store():
     return dist.HashStore()
 
 
+def is_plain_partial(placement) -> bool:
+    """A pending reduction that is only a reduction (not _MaskPartial, whose reduce
+    also applies the row-sharded embedding's mask, valid only on the embedding output)."""
+    from torch.distributed.tensor import Partial
+
+    return type(placement) is Partial
+
+
 def is_partial(placement) -> bool:
     from torch.distributed.tensor import Partial
 
@@ -139,6 +147,12 @@ def dtensor_caches_while_tracing():
     _sharding_prop._are_we_tracing = _redistribute._are_we_tracing = _not_tracing
     try:
         yield
+    except BaseException:
+        # A trace that stopped halfway can leave state in cached specs (a _MaskPartial
+        # whose mask buffer was never released); the next trace must not see it.
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        _redistribute._gen_transform_infos.cache_clear()
+        raise
     finally:
         _sharding_prop._are_we_tracing, _redistribute._are_we_tracing = saved
 

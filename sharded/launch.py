@@ -49,13 +49,10 @@ def _worker(rank, world, port, backend, threads, inbox, outbox):
                 break
             fn, args, kwargs = item
             try:
-                outbox.put((rank, "ok", fn(*args, **kwargs)))
+                outbox.put(_picklable(rank, "ok", fn(*args, **kwargs)))
             except BaseException as e:  # noqa: BLE001 - reported to the parent
                 tb = "".join(traceback.format_exception(e))
-                try:
-                    outbox.put((rank, "err", (e, tb)))
-                except Exception:  # unpicklable exception
-                    outbox.put((rank, "err", (RuntimeError(str(e)), tb)))
+                outbox.put(_picklable(rank, "err", (e, tb)))
     except BaseException:  # noqa: BLE001
         outbox.put((rank, "err", (None, traceback.format_exc())))
     finally:
@@ -65,6 +62,24 @@ def _worker(rank, world, port, backend, threads, inbox, outbox):
         finally:
             # gloo can abort at interpreter exit; leave without running it.
             os._exit(0)
+
+
+def _picklable(rank, status, value):
+    """The message for the parent, checked for pickling here: mp.Queue pickles in a
+    background thread, where a failure is only printed and the parent would wait out
+    its timeout."""
+    from multiprocessing.reduction import ForkingPickler
+
+    msg = (rank, status, value)
+    try:
+        ForkingPickler.dumps(msg)
+        return msg
+    except Exception as e:  # noqa: BLE001
+        tb = value[1] if status == "err" else ""
+        what = "exception" if status == "err" else "result"
+        return (rank, "err", (RuntimeError(
+            f"rank {rank}'s {what} cannot be sent to the parent process ({e}): "
+            f"{value[0] if status == 'err' else type(value).__name__!r:.200}"), tb))
 
 
 class RankPool:

@@ -49,12 +49,18 @@ class Mesh:
 
     @classmethod
     def from_device_mesh(cls, device_mesh: DeviceMesh) -> "Mesh":
+        """The Mesh over ``device_mesh`` (the same object for the same DeviceMesh, so
+        pjit's cache, keyed by mesh, is not missed)."""
         if device_mesh.mesh_dim_names is None:
             raise ValueError(
                 "Mesh.from_device_mesh needs a DeviceMesh with mesh_dim_names; build it "
                 "with init_device_mesh(..., mesh_dim_names=(...))."
             )
-        return cls._from_dm(device_mesh)
+        for mesh in _CACHE.values():
+            if mesh.device_mesh is device_mesh:
+                return mesh
+        mesh = _CACHE[("from", id(device_mesh))] = cls._from_dm(device_mesh)
+        return mesh
 
     @classmethod
     def _from_dm(cls, dm: DeviceMesh) -> "Mesh":
@@ -127,7 +133,11 @@ class Mesh:
         return f"Mesh({{{inner}}}, device_type={self.device_type!r})"
 
     def __reduce__(self):
-        return (Mesh, (self.shape, self.axis_names), {"device_type": self.device_type})
+        return (_rebuild, (self.shape, self.axis_names, self.device_type))
+
+
+def _rebuild(shape, axis_names, device_type):
+    return Mesh(shape, axis_names, device_type=device_type)
 
 
 def current_mesh(mesh: Mesh | None, api: str) -> Mesh:

@@ -27,3 +27,12 @@ def test_pool_reraises_the_rank_error_with_its_traceback(on_ranks):
         on_ranks(2, _fail_on_rank_1)
     assert "raised on local ranks [1]" in "\n".join(info.value.__notes__)
     assert on_ranks(2, _whoami, 0) == [(0, 2), (1, 2)]  # the pool is still usable
+
+
+def _unpicklable_result():
+    return lambda: None
+
+
+def test_an_unpicklable_result_is_an_error_not_a_hang(on_ranks):
+    with pytest.raises(RuntimeError, match="result cannot be sent to the parent process"):
+        on_ranks(2, _unpicklable_result, timeout=60)

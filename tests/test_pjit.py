@@ -204,6 +204,39 @@ def _no_collectives_over_size_1_axes():
     return [c.axis for c in f.lower(p, x, y).collectives()]
 
 
+def _review_regressions():
+    mesh = Mesh((2,), ("dp",))
+    g = torch.Generator().manual_seed(0)
+    w, ids = torch.randn(8, 4, generator=g), torch.tensor([0, 5, 7, 2])
+    # A row-sharded embedding's masked partial is reduced before any other op.
+    for f in (lambda w, ids: F.embedding(ids, w).t(), lambda w, ids: F.embedding(ids, w).sum()):
+        out = pjit(f, in_specs=(P("dp"), P()), mesh=mesh)(w, ids)
+        torch.testing.assert_close(gather(out), f(w, ids))
+    # Static values that compare equal but differ in type trace separately.
+    h = pjit(lambda x, s: x * s, in_specs=(P(), None), mesh=mesh)
+    xi = torch.arange(4)
+    assert h(xi, 1).dtype == torch.int64 and h(xi, 1.0).dtype == torch.float32
+    # A DTensor from another mesh is an error on a cache hit too.
+    other = Mesh((2,), ("tp",))
+    k = pjit(lambda x: x + 1, in_specs=P(), mesh=mesh)
+    k(shard(xi, P(), mesh))
+    try:
+        k(shard(xi, P(), other))
+        raise AssertionError("no error")
+    except ValueError as e:
+        assert "not on the pjit mesh" in str(e), e
+    # Nested pjit is a clear error.
+    inner = pjit(lambda x: x * 2, in_specs=P(), mesh=mesh)
+    try:
+        pjit(lambda x: inner(x) + 1, in_specs=P(), mesh=mesh)(torch.ones(2))
+        raise AssertionError("no error")
+    except NotImplementedError as e:
+        assert "nested pjit is not supported" in str(e), e
+    # A constraint on a tensor made inside the function (not derived from an input).
+    c = pjit(lambda x: x + with_sharding_constraint(torch.ones(4, 2), P("dp")), in_specs=P(), mesh=mesh)
+    torch.testing.assert_close(gather(c(torch.zeros(4, 2))), torch.ones(4, 2))
+
+
 # -- tests -------------------------------------------------------------------------------
 
 def test_traces_once_per_signature_and_static_args(on_ranks):
@@ -261,3 +294,7 @@ def test_data_parallel_gradients_are_bucketed_and_overlapped(on_ranks):
 def test_collectives_over_size_1_axes_are_dropped(on_ranks):
     axes = on_ranks(2, _no_collectives_over_size_1_axes)[0]
     assert axes and set(axes) == {"tp"}, axes
+
+
+def test_review_regressions(on_ranks):
+    on_ranks(2, _review_regressions)

@@ -21,6 +21,7 @@ def draws(x):
         torch.bernoulli(torch.sigmoid(x)),
         torch.empty(8, 6).uniform_(-2.0, 3.0),
         torch.empty(8, 6).normal_(1.0, 0.5),
+        torch.ops.aten.native_dropout.default(x, 0.4, True)[0],   # dropout as traced on CUDA
     )
 
 
@@ -80,6 +81,10 @@ def test_state_restores_and_seeds_differ():
     assert not torch.equal(f().full_tensor(), a)
     with pytest.raises(ValueError, match="set_rng_state expects a dict from get_rng_state"):
         srandom.set_rng_state({"seed": 1})
+    # A state without a seed takes one again (from rank 0) at the next call.
+    srandom.set_rng_state({"seed": None, "offset": 0})
+    f()
+    assert srandom.get_rng_state()["seed"] is not None
 
 
 def _seed_from_rank_0():

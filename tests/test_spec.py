@@ -67,3 +67,17 @@ def _shard_gather_2d():
 def test_shard_gather_and_visualize_on_2x2(on_ranks):
     text = on_ranks(4, _shard_gather_2d)[0]
     assert "rank 3 (dp=1, tp=1): [2:4, 4:8]" in text, text
+
+
+def _mesh_pickles():
+    import pickle
+
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    back = pickle.loads(pickle.dumps(mesh))
+    assert back is mesh and back.device_type == "cpu"
+    dm = mesh.device_mesh
+    assert Mesh.from_device_mesh(dm) is mesh
+
+
+def test_mesh_pickles_and_from_device_mesh_is_stable(on_ranks):
+    on_ranks(4, _mesh_pickles)

@@ -20,7 +20,7 @@ from sharded.mesh import Mesh, current_mesh
 from sharded.modes import DTensorExpandMode, ParallelMode
 from sharded.passes import fingerprint
 from sharded.spec import P, check_spec, local_slice, to_placements
-from transforms._trace import trace_global, mutated_inputs
+from transforms._trace import in_global_trace, mutated_inputs, trace_global
 from transforms.lowered import Lowered
 
 
@@ -102,6 +102,11 @@ class Compiled:
             if not is_tensor:
                 continue
             if isinstance(leaf, DTensor):
+                if leaf.device_mesh is not dm and leaf.device_mesh != dm:
+                    raise ValueError(
+                        f"a DTensor input lives on {leaf.device_mesh}, not on the pjit mesh "
+                        f"{self.mesh}; gather it and shard it onto this mesh."
+                    )
                 if leaf.placements != pl:
                     leaf = leaf.redistribute(dm, pl)
                 # the program was traced on contiguous shards (views inside it assume so)
@@ -144,6 +149,7 @@ class Pjit:
         self.static_argnums = tuple(sorted(static_argnums))
         self.name = f"pjit({getattr(fn, '__name__', type(fn).__name__)})"
         self._cache: dict[tuple, Compiled] = {}
+        self._mode_key = self.mode.cache_key()
         self.trace_count = 0
         # Name and docs only: a __wrapped__ attribute would let torch.func (and
         # inspect) call the raw function, bypassing this wrapper.
@@ -152,6 +158,12 @@ class Pjit:
 
     # -- API ----------------------------------------------------------------
     def __call__(self, *args):
+        if in_global_trace():
+            raise NotImplementedError(
+                f"{self.name} was called inside another pjit-traced function; nested "
+                f"pjit is not supported. Call the inner function directly (use "
+                f"with_sharding_constraint for the layouts it imposed)."
+            )
         sig = self._signature(args)
         entry = self._cache.get(sig.key)
         if entry is None or not entry.agreed:
@@ -161,10 +173,10 @@ class Pjit:
             except Exception as e:  # noqa: BLE001 - every rank must hear about it
                 outcome = e
             sync.agree(sig.mesh, self.name, outcome)
-            if entry.n_draws:
-                srandom._agree_on_seed(sig.mesh)
             entry.agreed = True
             self._cache[sig.key] = entry
+        if entry.n_draws and srandom.get_rng_state()["seed"] is None:
+            srandom._agree_on_seed(sig.mesh)   # first use, or after set_rng_state(seed=None)
         return entry.run(sig.leaves)
 
     def lower(self, *args) -> Lowered:
@@ -199,8 +211,9 @@ class Pjit:
             if isinstance(x, torch.Tensor):
                 leaf_keys.append((tuple(x.shape), x.dtype, x.device.type))
             else:
-                leaf_keys.append(("static", x))
-        key = (treedef, tuple(leaf_keys), static, id(mesh), self.mode.cache_key())
+                leaf_keys.append(("static", type(x), x))   # 1, 1.0 and True are distinct
+        key = (treedef, tuple(leaf_keys), tuple((type(v), v) for v in static), id(mesh),
+               self._mode_key)
         try:
             hash(key)
         except TypeError:

@@ -178,6 +178,8 @@ class _ShardMapFn(torch.autograd.Function):
     def backward(ctx, *cts):
         inputs = ctx.saved_tensors
         body = _manual.get_body(ctx.body_id)
+        if not inputs:
+            return (None,)
         cts = [torch.zeros(s, dtype=d, device=inputs[0].device) if ct is None else ct
                for ct, s, d in zip(cts, body.out_shapes, body.out_dtypes)]
         with torch.no_grad():  # first-order only: the vjp op has no autograd of its own

@@ -120,21 +120,51 @@ def is_random(node: fx.Node) -> bool:
     return True
 
 
+def _expand_native_dropout(gm: fx.GraphModule) -> None:
+    """``native_dropout(x, p, train)`` (what dropout traces to on CUDA) as
+    ``mask = bernoulli(1 - p)``, ``out = x * mask / (1 - p)``: ops the rewrite covers."""
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op != "call_function" or n.target is not aten.native_dropout.default:
+            continue
+        x, p = n.args[0], float(n.args[1])
+        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train")
+        out_val, mask_val = n.meta["val"]
+
+        def add(target, args, val, kwargs=None):
+            node = g.call_function(target, args, kwargs or {})
+            node.meta["val"] = val
+            return node
+
+        with g.inserting_before(n):
+            if train is False:
+                out, mask = x, add(aten.ones_like.default, (x,), mask_val, {"dtype": torch.bool})
+            else:
+                keep = add(aten.bernoulli.p, (add(aten.empty_like.default, (x,), out_val), 1.0 - p), out_val)
+                mask = add(aten.to.dtype, (keep, torch.bool), mask_val)
+                scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+                out = add(aten.mul.Tensor, (add(aten.mul.Tensor, (x, keep), out_val), scale), out_val)
+        for user in list(n.users):          # the two outputs are read through getitem
+            user.replace_all_uses_with(out if user.args[1] == 0 else mask)
+            g.erase_node(user)
+        g.erase_node(n)
+
+
 def rewrite_random_ops(gm: fx.GraphModule, api: str) -> int:
     """Replace every random op of ``gm`` with ``sharded::rng`` on two new inputs (seed,
     offset), appended after the existing placeholders. Returns the number of draws
     (0: the graph is unchanged)."""
+    _expand_native_dropout(gm)
     randoms = [n for n in gm.graph.nodes if is_random(n)]
     if not randoms:
         return 0
     g = gm.graph
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
-    where = (lambda: g.inserting_after(placeholders[-1])) if placeholders else \
-        (lambda: g.inserting_before(next(iter(g.nodes))))
-    with where():
-        offset = g.placeholder("rng_offset")
-    with where():
+    anchor = g.inserting_after(placeholders[-1]) if placeholders else \
+        g.inserting_before(next(iter(g.nodes)))
+    with anchor:
         seed = g.placeholder("rng_seed")
+        offset = g.placeholder("rng_offset")
     device = placeholders[0].meta["val"].device if placeholders else torch.device("cpu")
     for meta_node in (seed, offset):
         meta_node.meta["val"] = torch.empty((), dtype=torch.int64, device=device)
