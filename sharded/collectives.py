@@ -121,22 +121,35 @@ def _all_to_all(x, axis, split_dim, concat_dim):
 def _ppermute(x, axis, perm):
     """Send to ``dst`` for each (src, dst); ranks no one sends to get zeros.
 
+    # NOTE [ppermute and CSE]
     The send buffer is ``x`` times a one-hot constant over destinations, so the graph
-    has the same structure on every rank (only the constant's values differ). Building
-    it by placing ``x`` into a rank-dependent slot would let CSE merge two ppermutes'
-    all-to-alls on one rank and not on another, pairing different collectives across
-    ranks.
+    has the same structure on every rank (only the constant's values differ). The
+    constants are shared per (axis, perm, role), a key that is the same on every rank:
+    two uses of one perm (a forward and the vjp's recomputed forward) read the same
+    constant, and CSE merges them on every rank alike; different perms never share
+    one, even where their values coincide on some rank. Placing ``x`` into a
+    rank-dependent slot instead let CSE merge different ppermutes on one rank only,
+    pairing different collectives across ranks.
     """
     n, me = _size([axis]), _index(axis)
     dst_of = dict(perm)
     src_of = {d: s for s, d in perm}
+    send = _one_hot(axis, perm, "send", dst_of.get(me), n, x)
+    recv = _exchange(x.unsqueeze(0) * send, axis)      # recv[s] came from s
+    return (recv * _one_hot(axis, perm, "recv", src_of.get(me), n, x)).sum(0)
 
-    def one_hot(j):   # a constant of the graph (distinct per call), never mutated
-        values = [1.0 if i == j else 0.0 for i in range(n)]
-        return torch.tensor(values, dtype=x.dtype, device=x.device).view(n, *([1] * x.ndim))
 
-    recv = _exchange(x.unsqueeze(0) * one_hot(dst_of.get(me)), axis)   # recv[s] came from s
-    return (recv * one_hot(src_of.get(me))).sum(0)
+_ONE_HOTS: dict = {}
+
+
+def _one_hot(axis, perm, role, j, n, like):
+    key = (id(_manual.current("ppermute").mesh), axis, perm, role, like.dtype, like.device, like.ndim)
+    if key not in _ONE_HOTS:
+        with _torch.suspend_dispatch_modes():   # a real constant, not a traced value
+            values = torch.tensor([1.0 if i == j else 0.0 for i in range(n)],
+                                  dtype=like.dtype, device=like.device)
+            _ONE_HOTS[key] = values.view(n, *([1] * like.ndim))
+    return _ONE_HOTS[key]
 
 
 class _raw:

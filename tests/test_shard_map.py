@@ -76,7 +76,10 @@ def _ring(ws):
     region = shard_map(lambda x: C.ppermute(x * x, "dp", ring), mesh=mesh,
                        in_specs=P("dp"), out_specs=P("dp"))
     # block i moves to position i + 1: a roll of the blocks
-    _check_fwd_and_grad(mesh, region, lambda x: torch.roll(x * x, 2, 0), (x,), (P("dp"),))
+    lowered = _check_fwd_and_grad(mesh, region, lambda x: torch.roll(x * x, 2, 0), (x,), (P("dp"),))
+    # the forward ppermute (merged with the vjp's recomputed one) and its transpose
+    kinds = [c.kind for c in lowered.collectives()]
+    assert kinds.count("all_to_all") == 2, kinds
 
 
 def _all_to_all_swaps_the_sharded_dim(ws):

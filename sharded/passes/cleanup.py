@@ -53,6 +53,15 @@ def cse(gm: fx.GraphModule) -> fx.GraphModule:
     seen: dict = {}
     for node in list(gm.graph.nodes):
         rep[node] = node
+        if node.op == "get_attr":       # the same constant read twice
+            key = ("get_attr", node.target)
+            if key in seen:
+                node.replace_all_uses_with(seen[key])
+                rep[node] = seen[key]
+                gm.graph.erase_node(node)
+            else:
+                seen[key] = node
+            continue
         if node.op != "call_function" or not _is_pure(node.target):
             continue
         try:
