@@ -80,6 +80,18 @@ class manual_region:
             _STATE.ctx = None
 
 
+class untracked:
+    """Run a collective's internals without varying-axes tracking (it sets its
+    result's axes itself)."""
+
+    def __enter__(self):
+        self.prev = getattr(_STATE, "raw", False)
+        _STATE.raw = True
+
+    def __exit__(self, *exc):
+        _STATE.raw = self.prev
+
+
 # -- the sets -----------------------------------------------------------------------
 
 def vma_of(x) -> frozenset:

@@ -112,3 +112,22 @@ def leaf_paths(tree, name: str) -> list[str]:
     """Key path of every leaf of ``tree``, e.g. ``args[0]['w']``."""
     accessors, _leaves, _ = optree.tree_flatten_with_accessor(tree, none_is_leaf=NONE_IS_LEAF)
     return [a.codify(name) for a in accessors]
+
+
+def arg_specs(specs, args: tuple, name: str, excluded: str = "") -> list[tuple[str, Any]]:
+    """``broadcast_prefix`` for a transform's ``in_specs``: a single P/None covers every
+    positional arg; otherwise one entry (a spec or pytree of specs) per arg.
+    ``excluded`` explains args not counted (e.g. " (static_argnums excluded)")."""
+    if not is_spec_leaf(specs):
+        if not isinstance(specs, (tuple, list)):
+            raise TypeError(
+                f"{name} in_specs must be a P, None, or a tuple with one entry per "
+                f"positional argument; got {type(specs).__name__}."
+            )
+        if len(specs) != len(args):
+            raise ValueError(
+                f"{name} in_specs has {len(specs)} entries but the call has {len(args)} "
+                f"positional args{excluded}; give one spec (or pytree of specs) per argument."
+            )
+        specs = tuple(specs)
+    return broadcast_prefix(specs, args, f"{name} in_specs")

@@ -8,9 +8,9 @@ import itertools
 import torch
 from torch.distributed.tensor import DTensor
 
-from sharded import _torch, _tree
+from sharded import _tree
 from sharded.mesh import Mesh, current_mesh
-from sharded.spec import P, check_spec, from_placements, local_slice, to_placements
+from sharded.spec import P, block, check_spec, from_placements, local_slice, to_placements
 
 __all__ = ["shard", "gather", "spec_of", "with_sharding_constraint", "visualize_sharding"]
 
@@ -148,18 +148,13 @@ def visualize_sharding(x: DTensor, *, file=None) -> str:
     spec = spec_of(x)
     lines = [f"{tuple(x.shape)} {x.dtype} as {spec!r} on {mesh!r}:"]
     ranks = x.device_mesh.mesh
+    placements = to_placements(spec, mesh)
     for coord in itertools.product(*[range(s) for s in mesh.shape]):
         rank = int(ranks[coord])
-        block = []
-        for dim, size in enumerate(x.shape):
-            lo, hi = 0, size
-            for axis_i, pl in enumerate(to_placements(spec, mesh)):
-                if getattr(pl, "dim", None) == dim and pl.is_shard():
-                    step = (hi - lo) // mesh.shape[axis_i]
-                    lo, hi = lo + coord[axis_i] * step, lo + (coord[axis_i] + 1) * step
-            block.append(f"{lo}:{hi}")
+        sizes, starts = block(x.shape, placements, mesh, coord)
         where = ", ".join(f"{n}={c}" for n, c in zip(mesh.axis_names, coord))
-        lines.append(f"  rank {rank} ({where}): [{', '.join(block)}]")
+        spans = ", ".join(f"{lo}:{lo + size}" for lo, size in zip(starts, sizes))
+        lines.append(f"  rank {rank} ({where}): [{spans}]")
     text = "\n".join(lines)
     if torch.distributed.get_rank() == 0:
         print(text, file=file)

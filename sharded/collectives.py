@@ -85,7 +85,6 @@ def _gather_dim0(x, axis):
 
 def _all_gather(x, axis, dim):
     """Tiled all-gather along ``dim``."""
-    n = _size([axis])
     g = _gather_dim0(x.movedim(dim, 0), axis)          # [n * x.shape[dim], ...]
     return g.movedim(0, dim) if dim else g
 
@@ -152,23 +151,12 @@ def _one_hot(axis, perm, role, j, n, like):
     return _ONE_HOTS[key]
 
 
-class _raw:
-    """Run collective internals without varying-axes tracking."""
-
-    def __enter__(self):
-        self.prev = getattr(_manual._STATE, "raw", False)
-        _manual._STATE.raw = True
-
-    def __exit__(self, *exc):
-        _manual._STATE.raw = self.prev
-
-
 # -- psum family ---------------------------------------------------------------------------
 
 class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(x, op, varying, invariant):
-        with _raw():
+        with _manual.untracked():
             y = _all_reduce(x, op, varying)
             if invariant and op == "sum":
                 y = y * _size(invariant)
@@ -224,7 +212,7 @@ def pmin(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(x, axis, dim, was_varying):
-        with _raw():
+        with _manual.untracked():
             return _all_gather(x, axis, dim)
 
     @staticmethod
@@ -233,7 +221,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ct):
-        with _raw():
+        with _manual.untracked():
             if ctx.was_varying:
                 return _block(ct, ctx.axis, ctx.dim), None, None, None
             # x was the same on every rank: it was used once per block.
@@ -254,7 +242,7 @@ def all_gather(x: torch.Tensor, axis: str, *, dim: int = 0, tiled: bool = False)
 class _PsumScatter(torch.autograd.Function):
     @staticmethod
     def forward(x, axis, dim, was_varying):
-        with _raw():
+        with _manual.untracked():
             if was_varying:
                 return _reduce_scatter(x, axis, dim)
             return _block(x, axis, dim) * _size([axis])
@@ -265,7 +253,7 @@ class _PsumScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ct):
-        with _raw():
+        with _manual.untracked():
             g = _all_gather(ct, ctx.axis, ctx.dim)
             if not ctx.was_varying:
                 g = g * _size([ctx.axis])
@@ -300,7 +288,7 @@ def psum_scatter(x: torch.Tensor, axis: str, *, dim: int = 0, tiled: bool = Fals
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(x, axis, split_dim, concat_dim):
-        with _raw():
+        with _manual.untracked():
             return _all_to_all(x, axis, split_dim, concat_dim)
 
     @staticmethod
@@ -309,7 +297,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ct):
-        with _raw():
+        with _manual.untracked():
             return _all_to_all(ct, ctx.axis, ctx.concat_dim, ctx.split_dim), None, None, None
 
 
@@ -333,7 +321,7 @@ def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int) -> t
 class _PPermute(torch.autograd.Function):
     @staticmethod
     def forward(x, axis, perm):
-        with _raw():
+        with _manual.untracked():
             return _ppermute(x, axis, perm)
 
     @staticmethod
@@ -343,7 +331,7 @@ class _PPermute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ct):
-        with _raw():
+        with _manual.untracked():
             return _ppermute(ct, ctx.axis, ctx.inverse), None, None
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 import torch
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from sharded import _torch
 
@@ -178,7 +178,7 @@ def from_placements(placements: Iterable[Placement], mesh, ndim: int) -> P:
     for axis, pl in zip(mesh.axis_names, placements):
         if isinstance(pl, Shard):
             entries[pl.dim].append(axis)
-        elif _torch.is_partial(pl) or isinstance(pl, Partial):
+        elif _torch.is_partial(pl):
             raise ValueError(
                 f"a tensor with placements {tuple(placements)} is a pending reduction "
                 f"over mesh axis {axis!r}; a PartitionSpec cannot express it. Reduce it "
@@ -192,22 +192,34 @@ def from_placements(placements: Iterable[Placement], mesh, ndim: int) -> P:
     return P(*out)
 
 
+def block(shape: Sequence[int], placements: Sequence[Placement], mesh, coord=None):
+    """``(sizes, starts)`` of the block of a tensor of ``shape`` laid out by
+    ``placements`` that the rank at mesh coordinate ``coord`` holds (this rank's by
+    default). Shards nest in mesh-axis order (axis 0 major), as DTensor lays them out."""
+    if coord is None:
+        coord = mesh.coordinate()
+    sizes, starts = list(shape), [0] * len(shape)
+    for axis_i, pl in enumerate(placements):
+        if type(pl) is Shard:
+            sizes[pl.dim] //= mesh.shape[axis_i]
+            starts[pl.dim] += coord[axis_i] * sizes[pl.dim]
+    return tuple(sizes), tuple(starts)
+
+
 def local_shape(shape: Sequence[int], spec: P, mesh) -> tuple[int, ...]:
-    out = list(shape)
-    for dim, entry in enumerate(spec):
-        for axis in _axes_of(entry):
-            out[dim] //= mesh.size(axis)
-    return tuple(out)
+    """The shape of each rank's block of a tensor of ``shape`` laid out by ``spec``."""
+    return block(shape, to_placements(spec, mesh), mesh, coord=(0,) * len(mesh.shape))[0]
+
+
+def axes_of_dim(spec: P, dim: int) -> tuple[str, ...]:
+    """The mesh axes that split tensor dim ``dim`` under ``spec`` (major to minor)."""
+    return _axes_of(spec[dim]) if dim < len(spec) else ()
 
 
 def local_slice(tensor: torch.Tensor, placements: Sequence[Placement], mesh) -> torch.Tensor:
-    """This rank's block of a global ``tensor`` laid out by ``placements``; no communication.
-
-    Shards nest in mesh-axis order (axis 0 major), as DTensor lays them out.
-    """
-    coord = mesh.coordinate()
-    for axis_i, pl in enumerate(placements):
-        if isinstance(pl, Shard):
-            n = mesh.shape[axis_i]
-            tensor = tensor.chunk(n, pl.dim)[coord[axis_i]]
+    """This rank's block of a global ``tensor`` laid out by ``placements``; no communication."""
+    sizes, starts = block(tensor.shape, placements, mesh)
+    for dim, (size, start) in enumerate(zip(sizes, starts)):
+        if size != tensor.shape[dim]:
+            tensor = tensor.narrow(dim, start, size)
     return tensor.contiguous()

@@ -231,22 +231,8 @@ class Pjit:
         return paths
 
     def _leaf_specs(self, dyn: tuple) -> list[tuple[str, Any]]:
-        specs = self.in_specs
-        if not _tree.is_spec_leaf(specs):
-            if not isinstance(specs, (tuple, list)):
-                raise TypeError(
-                    f"{self.name} in_specs must be a P, None, or a tuple with one entry per "
-                    f"positional argument; got {type(specs).__name__}."
-                )
-            if len(specs) != len(dyn):
-                excluded = " (static_argnums excluded)" if self.static_argnums else ""
-                raise ValueError(
-                    f"{self.name} in_specs has {len(specs)} entries but the call has "
-                    f"{len(dyn)} positional args{excluded}; give one spec (or pytree of "
-                    f"specs) per argument."
-                )
-            specs = tuple(specs)
-        return _tree.broadcast_prefix(specs, dyn, f"{self.name} in_specs")
+        excluded = " (static_argnums excluded)" if self.static_argnums else ""
+        return _tree.arg_specs(self.in_specs, dyn, self.name, excluded)
 
     # -- Trace, partition, passes ---------------------------------------------
     def _compile(self, sig: _Signature, args) -> Compiled:

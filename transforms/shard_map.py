@@ -22,7 +22,7 @@ import torch
 
 from sharded import _manual, _torch, _tree
 from sharded.mesh import Mesh, current_mesh
-from sharded.spec import P, check_spec, local_shape, to_placements
+from sharded.spec import P, axes_of_dim, check_spec, local_shape, to_placements
 from transforms._trace import in_global_trace
 from transforms.pjit import Pjit
 
@@ -81,7 +81,7 @@ class ShardMap:
     # -- inside a global trace: one op for the whole region -----------------------------
     def _emit(self, mesh: Mesh, args: tuple):
         leaves, treedef = _tree.flatten(args)
-        specs = self._in_leaf_specs(args)
+        specs = _tree.arg_specs(self.in_specs, args, self.name)
         paths = _tree.leaf_paths(args, "args")
         tensors, in_pl, in_vma, local_metas = [], [], [], []
         for x, (spath, spec), apath in zip(leaves, specs, paths):
@@ -118,18 +118,6 @@ class ShardMap:
         outs = _ShardMapFn.apply(body_id, *tensors)
         return _tree.unflatten(flat_body.out_treedef, list(outs))
 
-    def _in_leaf_specs(self, args):
-        specs = self.in_specs
-        if not _tree.is_spec_leaf(specs):
-            if not isinstance(specs, (tuple, list)) or len(specs) != len(args):
-                n = len(specs) if isinstance(specs, (tuple, list)) else "a non-tuple"
-                raise ValueError(
-                    f"{self.name} in_specs has {n} entries but the call has {len(args)} "
-                    f"positional args; give one spec (or pytree of specs) per argument."
-                )
-            specs = tuple(specs)
-        return _tree.broadcast_prefix(specs, args, f"{self.name} in_specs")
-
     def _infer_outputs(self, body, local_metas):
         """Run the body once on fake local shards (outside the trace) for its output
         shapes, layouts and varying axes; errors surface here, at trace time."""
@@ -141,7 +129,7 @@ class ShardMap:
             matched = _tree.broadcast_prefix(self.out_specs, out_tree, f"{self.name} out_specs")
             for o, (spath, spec), opath in zip(outs, matched, _tree.leaf_paths(out_tree, "output")):
                 spec = P() if spec is None else spec
-                full = tuple(s * math.prod(sizes.get(a, 1) for a in _dim_axes(spec, d))
+                full = tuple(s * math.prod(sizes.get(a, 1) for a in axes_of_dim(spec, d))
                              for d, s in enumerate(o.shape))
                 check_spec(spec, full, body.mesh, f"{spath} (for {opath})")
                 body.out_placements.append(to_placements(spec, body.mesh))
@@ -153,13 +141,6 @@ class ShardMap:
         with _torch.suspend_dispatch_modes(), _torch.new_fake_mode():
             fakes = [torch.empty(s, dtype=d, device=dev) for s, d, dev in local_metas]
             _manual.run_body(body, fakes, describe=describe)
-
-
-def _dim_axes(spec: P, dim: int) -> tuple[str, ...]:
-    if dim >= len(spec) or spec[dim] is None:
-        return ()
-    e = spec[dim]
-    return (e,) if isinstance(e, str) else tuple(e)
 
 
 class _ShardMapFn(torch.autograd.Function):

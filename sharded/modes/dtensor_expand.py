@@ -13,8 +13,6 @@ bake it as a constant. The Interpreter keeps node attribution for error messages
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -26,7 +24,7 @@ from sharded.api import CONSTRAINT_OP, constraint_spec
 from sharded.random import philox
 from sharded.random.rewrite import RNG_OP, sample
 from sharded.modes.base import ParallelMode, Partitioned, ShardingRuleError
-from sharded.spec import check_spec, local_shape, from_placements, to_placements
+from sharded.spec import block, check_spec, local_shape, from_placements, to_placements
 
 _NO_RULE = "does not have a sharding strategy registered"
 
@@ -105,10 +103,7 @@ class DTensorExpandMode(ParallelMode):
             for i, (o, spec) in enumerate(zip(outs, out_specs)):
                 if not isinstance(o, DTensor):  # a factory output: same on every rank
                     o = DTensor.from_local(o, dm, [Replicate()] * mesh.ndim, run_check=False)
-                if spec is not None:
-                    target = to_placements(spec, mesh)
-                else:
-                    target = tuple(Replicate() if _torch.is_partial(p) else p for p in o.placements)
+                target = to_placements(spec, mesh) if spec is not None else _reduced(o.placements)
                 if tuple(o.placements) != target:
                     o = o.redistribute(dm, target)
                 out_placements.append(tuple(o.placements))
@@ -156,14 +151,9 @@ class _Expander(fx.Interpreter):
         """This rank's block of a random draw (NOTE [Random numbers that do not depend
         on the mesh]): computed from the global indices of the elements it holds."""
         placements = self._random_layout(n, shape, like, p)
-        local_shape, starts = list(shape), [0] * len(shape)
-        coord = self.mesh.coordinate()
-        for axis_i, pl in enumerate(placements):
-            if type(pl) is Shard:
-                local_shape[pl.dim] //= self.mesh.shape[axis_i]
-                starts[pl.dim] += coord[axis_i] * local_shape[pl.dim]
+        sizes, starts = block(shape, placements, self.mesh)
         seed, offset = seed.to_local(), offset.to_local()
-        index = philox.global_indices(shape, local_shape, starts, device=seed.device)
+        index = philox.global_indices(shape, sizes, starts, device=seed.device)
         p_local = self._locals([p], [placements])[0] if p is not None else None
         values = sample(seed, offset + draw, index, kind, a, b, dtype, p_local)
         return DTensor.from_local(values, self.mesh.device_mesh, placements, run_check=False,
@@ -179,7 +169,7 @@ class _Expander(fx.Interpreter):
         for c in candidates:
             if isinstance(c, DTensor) and tuple(c.shape) == shape and all(
                     type(pl) in (Shard, Replicate) or _torch.is_partial(pl) for pl in c.placements):
-                return tuple(Replicate() if _torch.is_partial(pl) else pl for pl in c.placements)
+                return _reduced(c.placements)
         return (Replicate(),) * self.mesh.ndim
 
     def _locals(self, xs, placements):
@@ -220,10 +210,7 @@ class _Expander(fx.Interpreter):
     def _reduce(self, a):
         """``a`` with its pending reductions done (Partial -> Replicate)."""
         if isinstance(a, DTensor) and any(_torch.is_partial(p) for p in a.placements):
-            return a.redistribute(
-                self.mesh.device_mesh,
-                [Replicate() if _torch.is_partial(p) else p for p in a.placements],
-            )
+            return a.redistribute(self.mesh.device_mesh, _reduced(a.placements))
         return a
 
     def run_node(self, n):
@@ -259,6 +246,11 @@ def _layouts(interp, n) -> list[str]:
         elif isinstance(v, torch.Tensor):
             out.append(f"{a.name}: {tuple(v.shape)} plain")
     return out
+
+
+def _reduced(placements) -> tuple:
+    """``placements`` with every pending reduction done (Partial -> Replicate)."""
+    return tuple(Replicate() if _torch.is_partial(p) else p for p in placements)
 
 
 def _contiguous_strides(shape) -> tuple:
