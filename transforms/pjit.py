@@ -77,20 +77,20 @@ class _Signature:
 
 @dataclass
 class Compiled:
-    """One traced and partitioned program (a cache entry)."""
+    """One traced and partitioned program (a cache entry). ``run`` is the per-call
+    path: everything it needs is planned at compile time."""
 
     global_graph: fx.GraphModule
     local_graph: fx.GraphModule
     runner: Any                          # runs the local graph (it, or a compiled form)
     mesh: Mesh
-    tensor_leaf: list[bool]              # which dynamic leaves are tensors
-    in_placements: list[tuple]           # per tensor leaf
-    in_specs: list[P]
+    in_plan: list                        # per dynamic leaf: placements, or None (static)
+    in_specs: list[P]                    # per tensor input (for Lowered)
     out_treedef: Any
-    out_static: dict[int, Any]           # position -> non-tensor output value
-    out_dtensor_specs: list = field(default_factory=list)
-    out_placements: list = field(default_factory=list)
+    out_plan: list                       # per output leaf: ("static", value) or ("dtensor", spec)
+    out_placements: list                 # per tensor output (for Lowered)
     n_draws: int = 0                     # random draws per call (counter-based RNG)
+    rng_device: Any = None
     digest: str = ""
     signature_lines: list = field(default_factory=list)
     agreed: bool = False                 # ranks compared fingerprints (first call)
@@ -98,8 +98,8 @@ class Compiled:
     def run(self, leaves: list) -> Any:
         dm = self.mesh.device_mesh
         locals_ = []
-        for leaf, is_tensor, pl in zip(leaves, self.tensor_leaf, self._placements_iter()):
-            if not is_tensor:
+        for leaf, pl in zip(leaves, self.in_plan):
+            if pl is None:
                 continue
             if isinstance(leaf, DTensor):
                 if leaf.device_mesh is not dm and leaf.device_mesh != dm:
@@ -114,23 +114,11 @@ class Compiled:
             else:
                 locals_.append(local_slice(leaf.detach(), pl, self.mesh))
         if self.n_draws:
-            locals_.extend(srandom._take(self.n_draws, _mesh_device(self.mesh)))
-        outs = self.runner(*locals_)
-        it = iter(outs)
-        flat = []
-        n_out = len(self.out_static) + len(self.out_dtensor_specs)
-        specs = iter(self.out_dtensor_specs)
-        for i in range(n_out):
-            if i in self.out_static:
-                flat.append(self.out_static[i])
-            else:
-                flat.append(_torch.make_dtensor(next(it), next(specs)))
+            locals_.extend(srandom._take(self.n_draws, self.rng_device))
+        outs = iter(self.runner(*locals_))
+        flat = [v if kind == "static" else _torch.make_dtensor(next(outs), v)
+                for kind, v in self.out_plan]
         return _tree.unflatten(self.out_treedef, flat)
-
-    def _placements_iter(self):
-        it = iter(self.in_placements)
-        for is_tensor in self.tensor_leaf:
-            yield next(it) if is_tensor else None
 
 
 class Pjit:
@@ -165,7 +153,7 @@ class Pjit:
                 f"with_sharding_constraint for the layouts it imposed)."
             )
         sig = self._signature(args)
-        entry = self._cache.get(sig.key)
+        entry = self._lookup(sig)
         if entry is None or not entry.agreed:
             try:
                 entry = entry or self._compile(sig, args)
@@ -182,7 +170,7 @@ class Pjit:
     def lower(self, *args) -> Lowered:
         """Trace and partition for ``args`` without running (no communication)."""
         sig = self._signature(args)
-        entry = self._cache.get(sig.key)
+        entry = self._lookup(sig)
         if entry is None:
             entry = self._cache[sig.key] = self._compile(sig, args)
         return Lowered(entry, self.name)
@@ -214,14 +202,16 @@ class Pjit:
                 leaf_keys.append(("static", type(x), x))   # 1, 1.0 and True are distinct
         key = (treedef, tuple(leaf_keys), tuple((type(v), v) for v in static), id(mesh),
                self._mode_key)
+        return _Signature(mesh, leaves, treedef, static, key)
+
+    def _lookup(self, sig: _Signature) -> Compiled | None:
         try:
-            hash(key)
+            return self._cache.get(sig.key)
         except TypeError:
             raise TypeError(
                 f"{self.name}: non-tensor arguments are static and must be hashable; "
-                f"got an unhashable one in {leaf_keys!r:.200}. Make it a tensor or a tuple."
+                f"got an unhashable one in {sig.key[1]!r:.200}. Make it a tensor or a tuple."
             ) from None
-        return _Signature(mesh, leaves, treedef, static, key)
 
     def _arg_paths(self, args) -> list[str]:
         paths = []
@@ -287,12 +277,17 @@ class Pjit:
                      for p, m, s in zip(tensor_paths, metas, in_specs)]
         sig_lines += [f"static args: {sig.static_args!r:.200}"]
         digest, lines = fingerprint(local_gm, mesh, extra=tuple(sig_lines))
+        placements = iter(in_placements)
+        in_plan = [next(placements) if t else None for t in tensor_leaf]
+        dt_specs = iter(out_dt_specs)
+        out_plan = [("static", v) if not isinstance(v, torch.Tensor) else ("dtensor", next(dt_specs))
+                    for v in out_leaves]
         return Compiled(
-            global_graph=global_gm, local_graph=local_gm, runner=self.mode.runner(local_gm), mesh=mesh,
-            tensor_leaf=tensor_leaf, in_placements=in_placements, in_specs=in_specs,
-            out_treedef=out_treedef, out_static=out_info["static"],
-            out_dtensor_specs=out_dt_specs, out_placements=part.out_placements,
-            n_draws=n_draws, digest=digest, signature_lines=lines,
+            global_graph=global_gm, local_graph=local_gm, runner=self.mode.runner(local_gm),
+            mesh=mesh, in_plan=in_plan, in_specs=in_specs, out_treedef=out_treedef,
+            out_plan=out_plan, out_placements=part.out_placements, n_draws=n_draws,
+            rng_device=_mesh_device(mesh) if n_draws else None, digest=digest,
+            signature_lines=lines,
         )
 
     def _flat_fn(self, sig: _Signature, out_info: dict) -> Callable:
@@ -311,9 +306,6 @@ class Pjit:
             out = fn(*args)
             out_leaves, out_treedef = _tree.flatten(out)
             out_info["leaves"], out_info["treedef"] = out_leaves, out_treedef
-            out_info["static"] = {
-                i: v for i, v in enumerate(out_leaves) if not isinstance(v, torch.Tensor)
-            }
             return [v for v in out_leaves if isinstance(v, torch.Tensor)]
 
         return flat_fn
