@@ -17,3 +17,11 @@ def test_train_example_under_torchrun():
     losses = [float(l.split()[1]) for l in lines if l.strip()[:1].isdigit()]
     assert len(losses) == 2 and losses[-1] < losses[0], res.stdout
     assert "loss difference over 6 steps" in res.stdout
+
+
+def test_ring_attention_example_matches_sdpa():
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "ring_attention.py")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert "max |ring - sdpa| dq" in res.stdout and "'all_to_all': 4" in res.stdout, res.stdout
