@@ -68,8 +68,9 @@ def test_seed_offset_int_or_tensor_and_counter_layout():
     assert torch.equal(a, b)
     c = counter(2**33 + 5, torch.tensor([2**32 + 1]))
     assert c.tolist() == [[1, 1, 5, 2]]
-    ref = _ref_philox([9, 0, 3, 0], [7, 256])
-    assert a[9].item() == ref[0]
+    # 32-bit draws pack 4 elements per Philox block: element 9 is word 1 of block 2.
+    ref = _ref_philox([2, 0, 3, 0], [7, 256])
+    assert a[9].item() == ref[1]
     assert uniform_bits(-1, -1, idx).min() >= 0 and uniform_bits(-1, -1, idx).max() <= M32
 
 
@@ -91,6 +92,19 @@ def test_block_equals_slice_of_full_draw():
         assert torch.equal(fn(123, 9, idx), whole[2:5, 5:9])
         # order / shape of the request does not matter either
         assert torch.equal(fn(123, 9, idx.flatten().flip(0)), whole[2:5, 5:9].flatten().flip(0))
+    # Regions: the per-block fast path (aligned rows) and the per-element path
+    # (unaligned) give the bits of the full draw too.
+    g = (6, 8)
+    full8 = torch.arange(48).view(g)
+    for fn in (uniform_bits,
+               lambda s, o, i: uniform(s, o, i, torch.float64),
+               lambda s, o, i: normal(s, o, i, torch.float32),
+               lambda s, o, i: normal(s, o, i, torch.float64),
+               lambda s, o, i: randint(s, o, i, 0, 9)):
+        whole = fn(5, 2, full8)
+        assert torch.equal(fn(5, 2, (g, g, (0, 0))), whole)
+        assert torch.equal(fn(5, 2, (g, (3, 4), (2, 4))), whole[2:5, 4:8])   # aligned
+        assert torch.equal(fn(5, 2, (g, (3, 3), (1, 5))), whole[1:4, 5:8])   # not aligned
     # a 3-D block
     g3 = (4, 5, 6)
     i3 = global_indices(g3, (2, 3, 2), (1, 2, 4))

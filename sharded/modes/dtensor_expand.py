@@ -21,7 +21,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from sharded import _manual, _torch, rules  # noqa: F401  (rules registers the project's shardings)
 from sharded.api import CONSTRAINT_OP, constraint_spec
-from sharded.random import philox
 from sharded.random.rewrite import RNG_OP, sample
 from sharded.modes.base import ParallelMode, Partitioned, ShardingRuleError
 from sharded.spec import block, check_spec, local_shape, from_placements, to_placements
@@ -153,9 +152,9 @@ class _Expander(fx.Interpreter):
         placements = self._random_layout(n, shape, like, p)
         sizes, starts = block(shape, placements, self.mesh)
         seed, offset = seed.to_local(), offset.to_local()
-        index = philox.global_indices(shape, sizes, starts, device=seed.device)
         p_local = self._locals([p], [placements])[0] if p is not None else None
-        values = sample(seed, offset + draw, index, kind, a, b, dtype, p_local)
+        region = (tuple(shape), sizes, starts, seed.device)
+        values = sample(seed, offset + draw, region, kind, a, b, dtype, p_local)
         return DTensor.from_local(values, self.mesh.device_mesh, placements, run_check=False,
                                   shape=torch.Size(shape), stride=_contiguous_strides(shape))
 

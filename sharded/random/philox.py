@@ -5,17 +5,21 @@ row-major linear index ``i`` is a pure function of ``(seed, offset, i)``
 (plus dtype and distribution parameters).  It does not depend on which other
 indices are drawn in the same call, on the shape of the tensor or shard, on
 the device, or on the mesh.  A shard draws its part of a tensor by passing
-the global indices of the elements it holds (see ``global_indices``); the
-result is bitwise equal to the matching slice of the full draw.
+the global indices of the elements it holds (``global_indices``), or the region
+``(global_shape, sizes, starts)`` of its block; the result is bitwise equal to
+the matching slice of the full draw.
 
-Counter layout: one Philox block per element::
+Counter layout: a draw needing ``k`` words per element (1 for 32-bit draws:
+bits, float32/16/bf16 uniform, bernoulli, randint; 2 for float64 uniform and
+float32 normal; 4 for float64 normal) packs ``4 // k`` consecutive elements in
+one Philox block.  Element ``i`` takes words ``[s*k, s*k + k)`` of block
+``b = i // (4 // k)``, ``s = i % (4 // k)``, with::
 
-    counter = [lo32(i), hi32(i), lo32(offset), hi32(offset)]
+    counter = [lo32(b), hi32(b), lo32(offset), hi32(offset)]
     key     = [lo32(seed), hi32(seed)]
 
-Element ``i`` uses words of its own 4-word output: word 0 for 32-bit draws
-(bits, float32/16/bf16 uniform, bernoulli, randint), words 0-1 for float64
-uniform and for float32 normal, and words 0-3 for float64 normal.
+A region whose rows are whole blocks runs Philox once per block, ``4 // k``
+times less work than once per element (``_words``).
 
 Offset unit: one *draw*.  ``offset`` has its own counter words, so draws at
 different offsets never share a counter, whatever their sizes (i, offset <
@@ -83,7 +87,7 @@ def _split(x, device):
 
 
 def counter(offset, index: Tensor) -> Tensor:
-    """The Philox counter ``[..., 4]`` used for elements ``index`` at ``offset``."""
+    """The Philox counter ``[..., 4]`` of block ``index`` at ``offset``."""
     i0, i1 = _split(index.long(), index.device)
     o0, o1 = _split(offset, index.device)
     z = torch.zeros_like(i0)
@@ -100,9 +104,37 @@ def counts(numel: int) -> int:
     return 1
 
 
-def uniform_bits(seed, offset, index: Tensor) -> Tensor:
-    """Uniform uint32 values (as int64), shaped like ``index``."""
-    return _block(seed, offset, index)[0]
+def _words(seed, offset, where, k: int) -> Tensor:
+    """``k`` random words per element, shaped ``[k, *shape]``.
+
+    Element ``i`` takes words ``[s*k, s*k + k)`` of Philox block ``i // (4 // k)``,
+    where ``s = i % (4 // k)``: one Philox call serves ``4 // k`` consecutive elements.
+    ``where`` is a tensor of global indices, or a region ``(global_shape, sizes,
+    starts)`` of a row-major tensor: then, when the region's rows are whole blocks
+    (the last dim's size, start and global size all divide by ``4 // k``), Philox runs
+    once per block instead of once per element (the same bits, ~``4 // k`` x less work).
+    """
+    per = 4 // k
+    if isinstance(where, tuple):
+        shape, sizes, starts = where[:3]
+        device = where[3] if len(where) > 3 else None
+        if shape and shape[-1] % per == 0 and sizes[-1] % per == 0 and starts[-1] % per == 0:
+            blocks = global_indices((*shape[:-1], shape[-1] // per), (*sizes[:-1], sizes[-1] // per),
+                                    (*starts[:-1], starts[-1] // per), device)
+            w = torch.stack(_block(seed, offset, blocks), -1)           # [..., n / per, 4]
+            return w.reshape(*sizes, k).movedim(-1, 0)
+        where = global_indices(shape, sizes, starts, device)
+    index = where.long()
+    w = torch.stack(_block(seed, offset, index // per), -1)              # [..., 4]
+    if per > 1:
+        slot = (index % per).unsqueeze(-1) * k + torch.arange(k, device=index.device)
+        w = torch.gather(w, -1, slot)
+    return w.movedim(-1, 0)
+
+
+def uniform_bits(seed, offset, where) -> Tensor:
+    """Uniform uint32 values (as int64) for the elements of ``where``."""
+    return _words(seed, offset, where, 1)[0]
 
 
 def _unit(w0, w1, dtype):
@@ -113,44 +145,46 @@ def _unit(w0, w1, dtype):
     return ((w0 >> (32 - m)).to(torch.float32) * 2.0**-m).to(dtype)
 
 
-def uniform(seed, offset, index: Tensor, dtype=torch.float32) -> Tensor:
-    """Uniform floats in [0, 1) shaped like ``index``: float64 uses 53 bits
-    (words 0, 1), other float dtypes use their mantissa width of word 0's top
-    bits (24 for float32, 11 float16, 8 bfloat16), so 1.0 is never produced."""
-    w = _block(seed, offset, index)
-    return _unit(w[0], w[1], dtype)
-
-
-def normal(seed, offset, index: Tensor, dtype=torch.float32) -> Tensor:
-    """Standard normals via Box-Muller (cosine branch) shaped like ``index``.
-    float64 is computed from 53-bit uniforms (words 0-1 and 2-3); other
-    dtypes from float32 uniforms (words 0 and 1), then cast.  u1 is in (0, 1]."""
-    w = _block(seed, offset, index)
+def uniform(seed, offset, where, dtype=torch.float32) -> Tensor:
+    """Uniform floats in [0, 1): float64 uses 53 bits (2 words per element), other
+    float dtypes their mantissa width from 1 word (24 bits for float32, 11 float16,
+    8 bfloat16), so 1.0 is never produced."""
     if dtype == torch.float64:
+        w = _words(seed, offset, where, 2)
+        return _unit(w[0], w[1], dtype)
+    return _unit(_words(seed, offset, where, 1)[0], None, dtype)
+
+
+def normal(seed, offset, where, dtype=torch.float32) -> Tensor:
+    """Standard normals via Box-Muller (cosine branch), u1 in (0, 1]: float64 from
+    two 53-bit uniforms (4 words per element), other dtypes from two float32
+    uniforms (2 words), then cast."""
+    if dtype == torch.float64:
+        w = _words(seed, offset, where, 4)
         u1 = 1.0 - _unit(w[0], w[1], dtype)
         u2 = _unit(w[2], w[3], dtype)
     else:
+        w = _words(seed, offset, where, 2)
         u1 = 1.0 - _unit(w[0], None, torch.float32)
         u2 = _unit(w[1], None, torch.float32)
     z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
     return z.to(dtype)
 
 
-def bernoulli(seed, offset, index: Tensor, p) -> Tensor:
-    """Bool mask ``u < p`` with ``u = word0 * 2**-32`` (exact in float64);
-    ``p`` is a float or a tensor broadcastable with ``index``."""
-    return uniform_bits(seed, offset, index).to(torch.float64) * 2.0**-32 < p
+def bernoulli(seed, offset, where, p) -> Tensor:
+    """Bool mask ``u < p`` with ``u = word * 2**-32`` (exact in float64); ``p`` is a
+    float or a tensor broadcastable with the elements."""
+    return uniform_bits(seed, offset, where).to(torch.float64) * 2.0**-32 < p
 
 
-def randint(seed, offset, index: Tensor, low: int, high: int,
-            dtype=torch.int64) -> Tensor:
+def randint(seed, offset, where, low: int, high: int, dtype=torch.int64) -> Tensor:
     """Integers in [low, high) by multiply-shift ``(bits * r) >> 32`` with
     ``r = high - low <= 2**32`` (computed with 16-bit halves, no overflow).
     Each value gets floor or ceil of 2**32 / r words: relative bias <= r / 2**32."""
     r = high - low
     if not 0 < r <= 2**32:
         raise ValueError(f"randint needs 0 < high - low <= 2**32, got {r}")
-    w = uniform_bits(seed, offset, index)
+    w = uniform_bits(seed, offset, where)
     q = ((w >> 16) * r + (((w & 0xFFFF) * r) >> 16)) >> 16
     return (q + low).to(dtype)
 

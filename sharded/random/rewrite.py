@@ -30,11 +30,8 @@ KINDS = ("uniform", "normal", "bernoulli", "randint")
 def _rng(seed: torch.Tensor, offset: torch.Tensor, draw: int, shape: list[int], kind: str,
          a: float, b: float, dtype: torch.dtype, like: torch.Tensor | None = None,
          p: torch.Tensor | None = None) -> torch.Tensor:
-    n = 1
-    for s in shape:
-        n *= s
-    index = torch.arange(n, device=seed.device).view(shape)
-    return sample(seed, offset + draw, index, kind, a, b, dtype, p)
+    region = (tuple(shape), tuple(shape), (0,) * len(shape), seed.device)
+    return sample(seed, offset + draw, region, kind, a, b, dtype, p)
 
 
 @_rng.register_fake
@@ -45,21 +42,22 @@ def _(seed, offset, draw, shape, kind, a, b, dtype, like=None, p=None):
 RNG_OP = torch.ops.sharded.rng.default
 
 
-def sample(seed, offset, index, kind: str, a: float, b: float, dtype, p=None):
-    """The values of elements ``index`` of one draw."""
+def sample(seed, offset, where, kind: str, a: float, b: float, dtype, p=None):
+    """The values of the elements ``where`` (global indices, or a region ``(shape,
+    sizes, starts, device)``) of one draw."""
     if kind == "uniform":
-        u = philox.uniform(seed, offset, index, dtype)
+        u = philox.uniform(seed, offset, where, dtype)
         return u if (a, b) == (0.0, 1.0) else u * (b - a) + a
     if kind == "normal":
-        z = philox.normal(seed, offset, index, dtype)
+        z = philox.normal(seed, offset, where, dtype)
         return z if (a, b) == (0.0, 1.0) else z * b + a
     if kind == "bernoulli":
         if p is not None:   # elementwise probabilities (torch.bernoulli(p))
-            u = philox.uniform(seed, offset, index, torch.float64)
+            u = philox.uniform(seed, offset, where, torch.float64)
             return (u < p).to(dtype)
-        return philox.bernoulli(seed, offset, index, a).to(dtype)
+        return philox.bernoulli(seed, offset, where, a).to(dtype)
     if kind == "randint":
-        return philox.randint(seed, offset, index, int(a), int(b), dtype=dtype)
+        return philox.randint(seed, offset, where, int(a), int(b), dtype=dtype)
     raise ValueError(f"unknown random kind {kind!r}")
 
 
