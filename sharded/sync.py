@@ -9,6 +9,9 @@ collective sequence (or their error) over a gloo group with a bounded timeout
 
 from __future__ import annotations
 
+import pickle
+
+import torch
 import torch.distributed as dist
 
 
@@ -28,8 +31,7 @@ def agree(mesh, api: str, outcome) -> None:
         payload = ("error", f"{type(outcome).__name__}: {outcome}")
     else:
         payload = ("ok",) + tuple(outcome)
-    gathered: list = [None] * mesh.size()
-    dist.all_gather_object(gathered, payload, group=mesh.sync_group())
+    gathered = all_gather_objects(payload, mesh.sync_group())
     me = dist.get_rank()
     errors = {r: p[1] for r, p in enumerate(gathered) if p[0] == "error"}
     if errors:
@@ -44,6 +46,22 @@ def agree(mesh, api: str, outcome) -> None:
     if len(digests) == 1:
         return
     raise RankMismatchError(f"{api}: ranks built different programs.\n" + _diff(gathered))
+
+
+def all_gather_objects(obj, group) -> list:
+    """Every rank's picklable ``obj`` (in rank order), as pickled bytes in uint8 tensors.
+    (torch's all_gather_object needs numpy, which torch does not install.)"""
+    data = pickle.dumps(obj)
+    n = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(x) for x in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.empty_like(buf) for _ in range(n)]
+    dist.all_gather(bufs, buf, group=group)
+    return [pickle.loads(bytes(b[: int(k)].tolist())) for b, k in zip(bufs, sizes)]
 
 
 def _diff(gathered) -> str:

@@ -50,11 +50,9 @@ def _agree_on_seed(mesh) -> None:
         return
     seed = torch.initial_seed() % 2**63
     if mesh.size() > 1:
-        import torch.distributed as dist
+        from sharded.sync import all_gather_objects
 
-        seeds: list = [None] * mesh.size()
-        dist.all_gather_object(seeds, seed, group=mesh.sync_group())
-        seed = seeds[0]
+        seed = all_gather_objects(seed, mesh.sync_group())[0]
     _STATE["seed"] = seed
 
 
