@@ -59,6 +59,12 @@ def is_functorch_wrapped(x: torch.Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(x)
 
 
+def functorch_level() -> int:
+    """How many torch.func transforms (grad, vmap, ...) the current code runs under."""
+    level = torch._C._functorch.maybe_current_level()
+    return 0 if level is None else level
+
+
 def local_tensor(dt: DTensor) -> torch.Tensor:
     """The local shard of a DTensor without going through autograd (hot path)."""
     return dt._local_tensor

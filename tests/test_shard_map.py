@@ -215,6 +215,14 @@ def _regressions():
     ref = torch.func.grad(lambda p: F.cross_entropy(mlp(p, xs), y))(p)
     torch.testing.assert_close(gather(grads), ref, rtol=1e-5, atol=1e-6)
 
+    # Second-order gradients are a clear error, not zeros.
+    cube = shard_map(lambda x: C.psum((x ** 3).sum(), "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    try:
+        pjit(torch.func.grad(lambda x: torch.func.grad(cube)(x).sum()), in_specs=P("dp"), mesh=mesh)(x)
+        raise AssertionError("no error")
+    except NotImplementedError as e:
+        assert "only first-order gradients go through a shard_map" in str(e), e
+
     # A torch.func transform around an eager call is a clear error.
     f = shard_map(lambda x: C.psum(x.sum(), "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
     try:

@@ -157,6 +157,12 @@ class _ShardMapFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *cts):
+        if _torch.functorch_level() > 1:
+            raise NotImplementedError(
+                f"{_manual.get_body(ctx.body_id).name}: only first-order gradients go "
+                f"through a shard_map (torch.func.grad of grad, or vmap around grad, is "
+                f"not supported)."
+            )
         inputs = ctx.saved_tensors
         body = _manual.get_body(ctx.body_id)
         if not inputs:
