@@ -13,7 +13,7 @@ from transforms import pjit
 def draws(x):
     return (
         F.dropout(x, 0.5),
-        torch.nn.Dropout(0.25)(x),
+        torch.func.functional_call(torch.nn.Dropout(0.25), {}, (x,)),
         torch.rand(8, 6),
         torch.randn_like(x),
         torch.randint(0, 10, (8, 6)),
