@@ -33,3 +33,21 @@ def test_dce_drops_dead_detach_():
     gm = dce(make_fx(f)(torch.ones(3)))
     gm.recompile()
     assert _count(gm, "cos") == 0 and _count(gm, "detach_") == 0
+
+
+def test_identity_views_are_dropped_except_into_outputs():
+    from sharded.passes import remove_identity_views
+
+    def f(x):
+        y = torch.sin(x.view(2, 3))          # identity view: dropped
+        return y.view(2, 3), y.view(3, 2)    # into the outputs: kept
+
+    gm = make_fx(f, tracing_mode="fake")(torch.ones(2, 3))
+    assert _count(gm, "view") == 3
+    gm = remove_identity_views(gm)
+    gm.recompile()
+    assert _count(gm, "view") == 2
+    x = torch.randn(2, 3)
+    a, b = gm(x)
+    torch.testing.assert_close(a, torch.sin(x))
+    torch.testing.assert_close(b, torch.sin(x).view(3, 2))

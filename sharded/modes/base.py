@@ -23,7 +23,8 @@ from typing import Sequence
 import torch.fx as fx
 from torch.distributed.tensor import Placement
 
-from sharded.passes import bucket_all_reduces, cse, dce, remove_trivial_collectives, sink_waits
+from sharded.passes import (bucket_all_reduces, cse, dce, remove_identity_views,
+                            remove_trivial_collectives, sink_waits)
 
 
 class ShardingRuleError(NotImplementedError):
@@ -56,9 +57,9 @@ class ParallelMode(abc.ABC):
         i-th output must have, or None to keep the propagated layout."""
 
     def transform_and_compile(self, graph: fx.GraphModule, mesh) -> fx.GraphModule:
-        """Default passes: drop size-1 collectives, DCE, CSE, bucket all-reduces,
-        and sink waits so collectives overlap with compute."""
-        graph = cse(dce(remove_trivial_collectives(graph)))
+        """Default passes: drop size-1 collectives and identity views, DCE, CSE,
+        bucket all-reduces, and sink waits so collectives overlap with compute."""
+        graph = cse(dce(remove_identity_views(remove_trivial_collectives(graph))))
         graph = sink_waits(bucket_all_reduces(graph))
         graph.recompile()
         return graph

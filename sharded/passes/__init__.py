@@ -7,7 +7,7 @@ once after the last pass, as ``ParallelMode.transform_and_compile`` does.
 
 from sharded.passes.analysis import CollectiveCall, collectives, cost, fingerprint
 from sharded.passes.bucketing import bucket_all_reduces, sink_waits
-from sharded.passes.cleanup import cse, dce, remove_trivial_collectives
+from sharded.passes.cleanup import cse, dce, remove_identity_views, remove_trivial_collectives
 
-__all__ = ["CollectiveCall", "collectives", "cost", "fingerprint", "cse", "dce", "remove_trivial_collectives",
+__all__ = ["CollectiveCall", "collectives", "cost", "fingerprint", "cse", "dce", "remove_trivial_collectives", "remove_identity_views",
            "bucket_all_reduces", "sink_waits"]
