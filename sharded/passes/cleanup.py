@@ -53,21 +53,8 @@ def cse(gm: fx.GraphModule) -> fx.GraphModule:
     seen: dict = {}
     for node in list(gm.graph.nodes):
         rep[node] = node
-        if node.op == "get_attr":       # the same constant read twice
-            key = ("get_attr", node.target)
-            if key in seen:
-                node.replace_all_uses_with(seen[key])
-                rep[node] = seen[key]
-                gm.graph.erase_node(node)
-            else:
-                seen[key] = node
-            continue
-        if node.op != "call_function" or not _is_pure(node.target):
-            continue
-        try:
-            key = (node.target, _freeze(node.args, rep), _freeze(node.kwargs, rep))
-            hash(key)
-        except TypeError:
+        key = _cse_key(node, rep)
+        if key is None:
             continue
         if key in seen:
             node.replace_all_uses_with(seen[key])
@@ -76,6 +63,20 @@ def cse(gm: fx.GraphModule) -> fx.GraphModule:
         else:
             seen[key] = node
     return gm
+
+
+def _cse_key(node: fx.Node, rep: dict):
+    """What makes two nodes the same value, or None if the node must stay."""
+    if node.op == "get_attr":       # the same constant read twice
+        return ("get_attr", node.target)
+    if node.op != "call_function" or not _is_pure(node.target):
+        return None
+    try:
+        key = (node.target, _freeze(node.args, rep), _freeze(node.kwargs, rep))
+        hash(key)
+        return key
+    except TypeError:
+        return None
 
 
 def remove_trivial_collectives(gm: fx.GraphModule) -> fx.GraphModule:
