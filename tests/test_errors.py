@@ -166,3 +166,25 @@ def test_unhashable_static_leaf(mesh1):
     g = pjit(lambda x, cfg: x, in_specs=(P(), None), mesh=mesh1)
     with pytest.raises(TypeError, match=r"non-tensor arguments are static and must be hashable"):
         g(torch.ones(2), {1, 2})  # a set is a leaf, and unhashable
+
+
+def test_axes_out_of_mesh_order():
+    mesh = Mesh((1, 1), ("dp", "tp"))
+    f = pjit(lambda x: x, in_specs=P(("tp", "dp")), mesh=mesh)
+    with pytest.raises(NotImplementedError, match=r"in an order other than the mesh's \('dp', 'tp'\); list the axes in mesh order, e.g. \('dp', 'tp'\)"):
+        f(torch.ones(2))
+
+
+def test_static_argnums_and_mode_are_checked(mesh1):
+    f = pjit(lambda x, n: x * n, in_specs=(P(),), static_argnums=(2,), mesh=mesh1)
+    with pytest.raises(ValueError, match=r"static_argnums has 2 but the call has 2 positional args"):
+        f(torch.ones(2), 3)
+    with pytest.raises(TypeError, match=r"pjit mode must be a sharded.modes.ParallelMode"):
+        pjit(lambda x: x, in_specs=P(), mesh=mesh1, mode="dtensor")
+
+
+def test_from_device_mesh_needs_axis_names(mesh1):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with pytest.raises(ValueError, match=r"Mesh.from_device_mesh needs a DeviceMesh with mesh_dim_names"):
+        Mesh.from_device_mesh(init_device_mesh("cpu", (1,)))

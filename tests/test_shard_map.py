@@ -139,6 +139,9 @@ def _two_d_mesh():
     torch.testing.assert_close(gather(mean_both(x)), x.sum() / 4)
     mx = shard_map(lambda x: C.pmax(x, ("dp", "tp")), mesh=mesh, in_specs=P("dp", "tp"), out_specs=P())
     torch.testing.assert_close(gather(mx(x)), x.reshape(2, 2, 2, 3).amax((0, 2)))
+    # pmin's gradient goes where x is the min: compare with the single-device amin
+    mn = shard_map(lambda x: C.pmin(torch.sin(x), "tp"), mesh=mesh, in_specs=P("dp", "tp"), out_specs=P("dp"))
+    _check_fwd_and_grad(mesh, mn, lambda x: torch.sin(x).reshape(4, 2, 3).amin(1), (x,), (P("dp", "tp"),))
 
 
 def _eager_inputs_and_pjit_composition():
@@ -167,6 +170,13 @@ def _errors():
         ("in_specs", lambda x: x, dict(in_specs=(P(), P()), out_specs=P()), x),
         ("not_divisible", lambda x: x, dict(in_specs=P("dp"), out_specs=P("dp")), torch.ones(3, 2)),
         ("nested", lambda x: shard_map(lambda y: y, mesh=mesh, in_specs=P(), out_specs=P())(x),
+         dict(in_specs=P("dp"), out_specs=P("dp")), x),
+        ("scatter_untiled", lambda x: C.psum_scatter(x, "dp"), dict(in_specs=P(), out_specs=P("dp")), x),
+        ("scatter_divide", lambda x: C.psum_scatter(x, "dp", dim=1, tiled=True),
+         dict(in_specs=P(), out_specs=P("dp")), x),
+        ("a2a_divide", lambda x: C.all_to_all(x, "dp", split_dim=1, concat_dim=0),
+         dict(in_specs=P("dp"), out_specs=P("dp")), x),
+        ("bad_perm", lambda x: C.ppermute(x, "dp", [(0, 1), (1, 1)]),
          dict(in_specs=P("dp"), out_specs=P("dp")), x),
     ]:
         try:
@@ -284,6 +294,10 @@ def test_errors(on_ranks):
     assert "maps dim 0 (size 3) to mesh axis 'dp' (size 2), which does not divide it" in m["not_divisible"], m
     assert "shard_map inside a shard_map body is not supported" in m["nested"], m
     assert "runs only inside a shard_map body" in m["outside"], m
+    assert "without tiled needs dim 0 of x (shape (4, 3)) to equal the size of mesh axis 'dp' (2); pass tiled=True" in m["scatter_untiled"], m
+    assert "psum_scatter: dim 1 of x (shape (4, 3)) must divide by the size of mesh axis 'dp' (2)" in m["scatter_divide"], m
+    assert "all_to_all: split dim 1 of x (shape (2, 3)) must divide by the size of mesh axis 'dp' (2)" in m["a2a_divide"], m
+    assert "ppermute: perm [(0, 1), (1, 1)] must pair distinct sources with distinct destinations" in m["bad_perm"], m
 
 
 def test_regressions(on_ranks):
