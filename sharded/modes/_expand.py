@@ -1,0 +1,261 @@
+"""Expansion: the step every mode shares. Run the global graph on DTensors built from
+fake local shards, under one make_fx, and record what this rank runs.
+
+# NOTE [Expansion by one make_fx over an Interpreter]
+The global graph is run by an ``fx.Interpreter`` on DTensors built from fake local
+shards, under one ``make_fx``. DTensor picks each op's output layout, inserts the
+redistributes as functional collectives and computes local shapes and rank-dependent
+constants (the row-sharded embedding's mask bounds); make_fx records the aten ops it
+runs on the local shards. Tracing op by op instead would lose state that DTensor keeps
+in placements across ops (``_MaskPartial`` carries the embedding mask) and silently
+bake it as a constant. The Interpreter keeps node attribution for error messages.
+
+# NOTE [Modes are layout policies]
+A mode differs from another only in how layouts are chosen (a ``LayoutPolicy``) and in
+its passes. The ops that every mode meets and that DTensor knows nothing of are
+handled here, once, for every mode (``SPECIAL_OPS``): sharding constraints, the
+counter-based random draws and shard_map regions. A policy sees every other op before
+DTensor runs it (``before_op``: redistribute its inputs) and every result after
+(``after_node``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from sharded import _manual, _torch, rules  # noqa: F401  (rules registers the project's shardings)
+from sharded.api import CONSTRAINT_OP, constraint_spec
+from sharded.modes.base import Partitioned, ShardingRuleError
+from sharded.random.rewrite import RNG_OP, sample
+from sharded.spec import block, check_spec, from_placements, local_shape, to_placements
+
+_NO_RULE = "does not have a sharding strategy registered"
+
+
+class LayoutPolicy:
+    """How a mode chooses layouts on top of DTensor's op strategies. The default
+    leaves every choice to DTensor."""
+
+    def before_op(self, ex: "Expander", node: fx.Node, target, args, kwargs):
+        """Redistribute an op's DTensor inputs before DTensor runs it; returns
+        ``(args, kwargs)``."""
+        return args, kwargs
+
+    def after_node(self, ex: "Expander", node: fx.Node, result):
+        """Adjust a node's result (e.g. reduce a pending sum once, where produced)."""
+        return result
+
+    def output_placements(self, ex: "Expander", index: int, value: DTensor, spec) -> tuple:
+        """The placements output ``index`` leaves the program with: its spec's when
+        given, else the propagated ones with pending sums reduced."""
+        if spec is not None:
+            return to_placements(spec, ex.mesh)
+        return reduced(value.placements)
+
+
+def expand(graph: fx.GraphModule, in_placements: Sequence[tuple], out_specs: Sequence,
+           mesh, policy: LayoutPolicy, mode_name: str) -> Partitioned:
+    """This rank's program for ``graph`` with inputs laid out as ``in_placements`` and
+    outputs as ``out_specs`` (None: the policy decides)."""
+    dm = mesh.device_mesh
+    metas = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"]
+    with _torch.new_fake_mode():
+        local_inputs = [
+            torch.empty(
+                local_shape(m.shape, from_placements(pl, mesh, m.ndim), mesh),
+                dtype=m.dtype, device=m.device if m.device.type != "meta" else "cpu",
+            )
+            for m, pl in zip(metas, in_placements)
+        ]
+    out_placements: list = []
+
+    def run_local(*locals_):
+        dts = [
+            DTensor.from_local(x, dm, pl, run_check=False, shape=m.shape, stride=m.stride())
+            for x, pl, m in zip(locals_, in_placements, metas)
+        ]
+        ex = Expander(graph, mesh, policy, mode_name)
+        with implicit_replication():
+            outs = ex.run(*dts)
+        out_placements.clear()
+        result = []
+        for i, (o, spec) in enumerate(zip(outs, out_specs)):
+            o = ex.as_dtensor(o)
+            target = tuple(policy.output_placements(ex, i, o, spec))
+            if tuple(o.placements) != target:
+                o = o.redistribute(dm, target)
+            out_placements.append(tuple(o.placements))
+            result.append(o.to_local())
+        return result
+
+    with _torch.dtensor_caches_while_tracing():
+        local = make_fx(run_local, tracing_mode="fake")(*local_inputs)
+    return Partitioned(local, list(out_placements))
+
+
+class Expander(fx.Interpreter):
+    """Runs the global graph on DTensors (see the module NOTEs)."""
+
+    def __init__(self, gm: fx.GraphModule, mesh, policy: LayoutPolicy, mode_name: str):
+        super().__init__(gm)
+        self.mesh = mesh
+        self.policy = policy
+        self.mode_name = mode_name
+        self.node: fx.Node | None = None
+
+    # -- the interpreter ------------------------------------------------------------
+    def call_function(self, target, args, kwargs):
+        handler = SPECIAL_OPS.get(target)
+        if handler is not None:
+            return handler(self, self.node, args, kwargs)
+        if isinstance(target, _torch.OpOverload):
+            args, kwargs = self.policy.before_op(self, self.node, target, args, kwargs)
+        return super().call_function(target, args, kwargs)
+
+    def run_node(self, n):
+        self.node = n
+        try:
+            return self.policy.after_node(self, n, super().run_node(n))
+        except (ShardingRuleError, ValueError, TypeError):
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised with the node named
+            layouts = self.layouts(n)
+            if _NO_RULE in str(e):
+                raise ShardingRuleError(
+                    f"{self.mode_name} has no sharding rule for {n.target} (node "
+                    f"{n.name!r}, inputs {layouts}). Register one with "
+                    f"sharded.rules.register_sharding({n.target}) (see docs/concepts.md, "
+                    f"'Sharding rules'), or lay its inputs out as Replicate."
+                ) from None
+            raise RuntimeError(
+                f"{self.mode_name} could not partition node {n.name!r} = {n.target}"
+                f"(inputs {layouts}): {type(e).__name__}: {e}"
+            ) from e
+
+    # -- helpers for policies and special ops -------------------------------------------
+    def as_dtensor(self, x) -> DTensor:
+        """``x``, or a plain tensor made from nothing (the same on every rank) as a
+        replicated DTensor."""
+        if isinstance(x, DTensor):
+            return x
+        return DTensor.from_local(x, self.mesh.device_mesh, [Replicate()] * self.mesh.ndim,
+                                  run_check=False)
+
+    def redistribute(self, x, placements) -> DTensor:
+        x = self.as_dtensor(x)
+        if tuple(x.placements) != tuple(placements):
+            x = x.redistribute(self.mesh.device_mesh, tuple(placements))
+        return x
+
+    def locals_of(self, xs, placements) -> list:
+        """This rank's shards of ``xs`` laid out as ``placements``."""
+        return [self.redistribute(x, pl).to_local() for x, pl in zip(xs, placements)]
+
+    def globals_of(self, locals_, placements, shapes) -> list:
+        dm = self.mesh.device_mesh
+        return [
+            DTensor.from_local(x, dm, pl, run_check=False, shape=torch.Size(shape),
+                               stride=contiguous_strides(shape))
+            for x, pl, shape in zip(locals_, placements, shapes)
+        ]
+
+    def layouts(self, n: fx.Node) -> list[str]:
+        out = []
+        for a in n.all_input_nodes:
+            v = self.env.get(a)
+            if isinstance(v, DTensor):
+                out.append(f"{a.name}: {tuple(v.shape)} {tuple(v.placements)}")
+            elif isinstance(v, torch.Tensor):
+                out.append(f"{a.name}: {tuple(v.shape)} plain")
+        return out
+
+
+# -- the special ops: one handler each, for every mode ------------------------------------
+
+Handler = Callable[[Expander, fx.Node, tuple, dict], object]
+SPECIAL_OPS: dict[object, Handler] = {}
+
+
+def special_op(target):
+    """Register the handler of an op that DTensor knows nothing of."""
+    def register(fn: Handler) -> Handler:
+        SPECIAL_OPS[target] = fn
+        return fn
+
+    return register
+
+
+@special_op(CONSTRAINT_OP)
+def _sharding_constraint(ex: Expander, node, args, kwargs):
+    x, spec_id = args
+    spec = constraint_spec(spec_id)
+    check_spec(spec, x.shape, ex.mesh, "with_sharding_constraint spec")
+    return ex.redistribute(x, to_placements(spec, ex.mesh))
+
+
+@special_op(RNG_OP)
+def _random(ex: Expander, node, args, kwargs):
+    """This rank's block of a random draw (NOTE [Random numbers that do not depend on
+    the mesh]): computed from the global indices of the elements it holds."""
+    seed, offset, draw, shape, kind, a, b, dtype = args
+    like, p = kwargs.get("like"), kwargs.get("p")
+    placements = _random_layout(ex, node, shape, like, p)
+    sizes, starts = block(shape, placements, ex.mesh)
+    seed, offset = seed.to_local(), offset.to_local()
+    p_local = ex.locals_of([p], [placements])[0] if p is not None else None
+    region = (tuple(shape), sizes, starts, seed.device)
+    values = sample(seed, offset + draw, region, kind, a, b, dtype, p_local)
+    return DTensor.from_local(values, ex.mesh.device_mesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=contiguous_strides(shape))
+
+
+def _random_layout(ex: Expander, n, shape, like, p) -> tuple:
+    """Where a draw's block should live: like its probabilities or its like-tensor,
+    else like a same-shaped operand of a consumer, else replicated."""
+    shape = tuple(shape)
+    candidates = [p, like] + [
+        ex.env.get(a) for u in n.users for a in u.all_input_nodes if a is not n
+    ]
+    for c in candidates:
+        if isinstance(c, DTensor) and tuple(c.shape) == shape and all(
+                type(pl) in (Shard, Replicate) or _torch.is_partial(pl) for pl in c.placements):
+            return reduced(c.placements)
+    return (Replicate(),) * ex.mesh.ndim
+
+
+@special_op(_manual.SHARD_MAP_OP)
+def _shard_map(ex: Expander, node, args, kwargs):
+    inputs, body_id = args
+    body = _manual.get_body(body_id)
+    outs = _manual.run_body(body, ex.locals_of(inputs, body.in_placements))
+    return ex.globals_of(outs, body.out_placements, body.out_shapes)
+
+
+@special_op(_manual.SHARD_MAP_VJP_OP)
+def _shard_map_vjp(ex: Expander, node, args, kwargs):
+    inputs, cts, body_id = args
+    body = _manual.get_body(body_id)
+    grads = _manual.run_body_vjp(body, ex.locals_of(inputs, body.in_placements),
+                                 ex.locals_of(cts, body.out_placements))
+    return ex.globals_of(grads, body.in_placements, [x.shape for x in inputs])
+
+
+# -- placement helpers ------------------------------------------------------------------------
+
+def reduced(placements) -> tuple:
+    """``placements`` with every pending reduction done (Partial -> Replicate)."""
+    return tuple(Replicate() if _torch.is_partial(p) else p for p in placements)
+
+
+def contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
