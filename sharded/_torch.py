@@ -183,3 +183,76 @@ def suspend_dispatch_modes():
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+# -- failures: the store every rank can read, and closing process groups ----------------
+
+def default_store():
+    """The c10d store of the default process group (every rank can read it)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+# NOTE [Closing gloo connections]
+# gloo closes a group's TCP connections only when its ProcessGroup object is freed;
+# ``abort()`` and ``shutdown()`` leave them open, and a peer blocked on the group stays
+# blocked. ``destroy_process_group`` drops torch's own registries, but two more holders
+# keep groups alive: every DeviceMesh keeps its groups in ``_pg_registry``, and
+# ``torch.distributed.nn.functional`` binds ``group.WORLD`` as a default argument when
+# it is first imported (dynamo imports it the first time a DTensor is made). With
+# those cleared the groups are freed and their peers see "Connection closed by peer"
+# within a second. A group that user code still holds stays open: its peers then wait
+# for their own timeout (or for this process to exit).
+def release_process_groups() -> None:
+    """Destroy every process group of this process and drop the references that
+    would keep gloo's connections open (NOTE [Closing gloo connections])."""
+    import gc
+    import sys
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - already half torn down
+            pass
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            registry = getattr(obj, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    if functional is not None:
+        for fn in list(vars(functional).values()):
+            defaults = getattr(fn, "__defaults__", None)
+            if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+                fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d
+                                        for d in defaults)
+    gc.collect()
+
+
+def written_tensors(func, args, kwargs) -> list:
+    """The tensors an op overload writes into (its ``(a!)`` arguments)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
+def is_tracing_tensor(x: torch.Tensor) -> bool:
+    """A fake tensor, or a torch.func / functionalization wrapper: a value that exists
+    only while a function is traced."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return (isinstance(x, (FakeTensor, FunctionalTensor)) or is_functorch_wrapped(x)
+            or torch._is_functional_tensor(x))
