@@ -77,7 +77,8 @@ def _worker(rank, world, port, backend, threads, inbox, outbox):
             sync.set_epoch(job)
             what = getattr(fn, "__qualname__", repr(fn))
             try:
-                outbox.put(_picklable(rank, "ok", fn(*args, **kwargs)))
+                result = fn(*args, **kwargs)
+                outbox.put(_picklable(rank, "ok", result, released=sync.released() is not None))
             except BaseException as e:  # noqa: BLE001 - reported to the parent
                 sync.publish(e, what, "in the launched function")
                 tb = "".join(traceback.format_exception(e))
@@ -201,6 +202,8 @@ class RankPool:
                     f"(a hang); the rank pool was restarted."
                 )
         if not order:
+            if any(results[r][2] for r in results):     # a rank caught a failure: groups closed
+                self.close(force=True)
             return [results[r][1] for r in range(self.nprocs)]
         broken = what == "start" or released_sent or any(
             results[r][0] in ("died", "killed") or results[r][2] for r in results)

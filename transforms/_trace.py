@@ -107,7 +107,7 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
             f"value as a static argument (static_argnums)."
         ) from None
     except Exception as e:  # noqa: BLE001 - re-raised with the user's line and inputs
-        raise _with_context(e, api, inputs) from None
+        raise _with_context(e, api, inputs, fn) from None
 
 
 def _has_mutations(gm: fx.GraphModule) -> bool:
@@ -160,7 +160,9 @@ _STDLIB_DIRS = tuple({os.path.abspath(_paths[k]) + os.sep for k in ("stdlib", "p
 def _is_user_file(filename: str) -> bool:
     """Not torch, this project, optree, einops or the standard library."""
     if filename.startswith("<"):
-        return not filename.startswith("<frozen")      # <stdin>, <string>: the user's
+        # <stdin> and notebook cells are the user's; <string> is usually code that a
+        # library generated with exec (torch.func does)
+        return filename.startswith(("<stdin>", "<ipython"))
     path = os.path.abspath(filename)
     if path.startswith(_LIB_DIRS):
         return False
@@ -170,11 +172,23 @@ def _is_user_file(filename: str) -> bool:
 
 
 def user_frame(frames: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
-    """The innermost frame of ``frames`` in the user's code."""
-    for f in reversed(frames):
-        if _is_user_file(f.filename):
-            return f
+    """The innermost frame of ``frames`` in a file of the user's code (else in code
+    without a file, such as <stdin>)."""
+    for real in (True, False):
+        for f in reversed(frames):
+            if _is_user_file(f.filename) and (f.filename.startswith("<") != real):
+                return f
     return None
+
+
+def _defined_at(fn) -> str:
+    """Where the user's function is defined (through torch.func wrappers)."""
+    try:
+        inner = inspect.unwrap(fn)
+        code = getattr(inner, "__code__", None) or getattr(type(inner).__call__, "__code__", None)
+        return f"{code.co_filename}:{code.co_firstlineno} (where the function is defined)"
+    except Exception:  # noqa: BLE001
+        return ""
 
 
 def _is_own_file(filename: str) -> bool:
@@ -190,12 +204,12 @@ def where(frame: traceback.FrameSummary | None) -> str:
     return line
 
 
-def _with_context(e: Exception, api: str, inputs: Sequence[str]) -> Exception:
+def _with_context(e: Exception, api: str, inputs: Sequence[str], fn=None) -> Exception:
     frames = traceback.extract_tb(e.__traceback__)
     raised_in = frames[-1].filename if frames else ""
     if isinstance(e, (TracingError, CapturedStateError)) or (raised_in and _is_own_file(raised_in)):
         return e.with_traceback(None) if isinstance(e, CapturedStateError) else e
-    at = where(user_frame(frames))
+    at = where(user_frame(frames)) or (_defined_at(fn) if fn is not None else "")
     shapes = ", ".join(inputs) if inputs else "no tensor inputs"
     if raised_in and _is_user_file(raised_in):        # the user's own raise: keep it
         e.add_note(f"(raised while {api} traced the function with inputs {shapes})")

@@ -229,7 +229,7 @@ class Pjit:
         self.__doc__ = getattr(fn, "__doc__", None)
 
     # -- API ----------------------------------------------------------------
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         if in_global_trace():
             raise NotImplementedError(
                 f"{self.name} was called inside another pjit-traced function; nested "
@@ -243,6 +243,12 @@ class Pjit:
             raise
         entry = None
         try:
+            if kwargs:
+                raise TypeError(
+                    f"{self.name} takes positional arguments only; got keyword argument(s) "
+                    f"{sorted(kwargs)}. Pass them positionally: in_specs has one entry per "
+                    f"positional argument."
+                )
             sig = self._signature(args, mesh)
             entry = self._lookup(sig) or self._compile(sig, args)
             outcome = entry.outcome(sig.leaves)
@@ -545,15 +551,15 @@ def _holds_tensors(x) -> str | None:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         names = [f.name for f in dataclasses.fields(x) if _tensorish(getattr(x, f.name, None))]
         if names:
-            return (f"a {type(x).__name__} (a dataclass with tensors in {names}) that is not a "
-                    f"registered pytree node, so pjit cannot see its tensors; register it with "
+            return (f"an instance of {type(x).__name__} (a dataclass with tensors in {names}) "
+                    f"that is not a registered pytree node, so pjit cannot see its tensors; register it with "
                     f"sharded.register_dataclass({type(x).__name__})")
         return None
     if isinstance(x, (dict, list, tuple)):
         values = x.values() if isinstance(x, dict) else x
         if any(_tensorish(v) for v in values):
-            return (f"a {type(x).__name__} (a {type(x).__mro__[1].__name__} subclass that is not "
-                    f"a registered pytree node) holding tensors; pass a plain "
+            return (f"an instance of {type(x).__name__} (a {type(x).__mro__[1].__name__} subclass "
+                    f"that is not a registered pytree node) holding tensors; pass a plain "
                     f"{type(x).__mro__[1].__name__} or register the type with "
                     f"sharded.register_pytree_node")
         return None
@@ -561,8 +567,8 @@ def _holds_tensors(x) -> str | None:
     if isinstance(attrs, dict):
         names = [k for k, v in attrs.items() if _tensorish(v)]
         if names:
-            return (f"a {type(x).__name__} with tensor attributes {names[:5]}, which pjit cannot "
-                    f"see; pass the tensors in a dict or tuple, or register the type "
+            return (f"an instance of {type(x).__name__} with tensor attributes {names[:5]}, which "
+                    f"pjit cannot see; pass the tensors in a dict or tuple, or register the type "
                     f"(sharded.register_dataclass for a dataclass)")
     return None
 
@@ -606,17 +612,17 @@ def _bad_output(api: str, path: str, v) -> str:
     if inspect.isgenerator(v) or isinstance(v, (types.GeneratorType, map, filter, zip)):
         fix = "a generator or iterator (evaluated lazily, after tracing); return a tuple or list"
     elif isinstance(v, dict):
-        fix = (f"a {tname}, a dict subclass that is not a registered pytree node (e.g. a "
-               f"HuggingFace ModelOutput); return dict(out) (or out.to_tuple()), or register "
+        fix = (f"an instance of {tname}, a dict subclass that is not a registered pytree "
+               f"node (e.g. a HuggingFace ModelOutput); return dict(out) (or out.to_tuple()), or register "
                f"the type with sharded.register_pytree_node")
     elif isinstance(v, (list, tuple)):
-        fix = (f"a {tname}, a {type(v).__mro__[1].__name__} subclass that is not a registered "
-               f"pytree node; return a plain {type(v).__mro__[1].__name__} or register the type")
+        fix = (f"an instance of {tname}, a {type(v).__mro__[1].__name__} subclass that is not "
+               f"a registered pytree node; return a plain {type(v).__mro__[1].__name__} or register the type")
     elif dataclasses.is_dataclass(v):
-        fix = (f"a {tname}, a dataclass that is not a registered pytree node; register it "
-               f"with sharded.register_dataclass({tname})")
+        fix = (f"an instance of {tname}, a dataclass that is not a registered pytree node; "
+               f"register it with sharded.register_dataclass({tname})")
     else:
-        fix = f"a {tname}"
+        fix = f"an object of type {tname}"
     return (f"{api}: {path} is {fix}. Outputs must be tensors, Python scalars or None, in "
             f"tuples, lists, dicts, namedtuples or registered pytree nodes (anything else "
             f"would carry tracing values out of the function).")
