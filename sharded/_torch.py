@@ -257,3 +257,75 @@ def is_tracing_tensor(x: torch.Tensor) -> bool:
 
     return (isinstance(x, (FakeTensor, FunctionalTensor)) or is_functorch_wrapped(x)
             or torch._is_functional_tensor(x))
+
+
+# NOTE [Bounded caches]
+# A compile makes several fx.GraphModules (the traced global program, its
+# functionalized form, the expansion, the passes' recompiles), and torch.fx keeps the
+# source of every one it ever generated (``torch.fx.graph_module._loader.eval_cache``
+# and a ``linecache`` entry, for tracebacks) for the life of the process: ~16 KB per
+# compile that outlives the program. pjit drops the sources of the graph modules a
+# compile made and did not keep as soon as it ends, and those of the kept ones
+# (``Lowered.global_graph``/``local_graph``) when they are freed. Process-wide caches
+# that grow with every new shape (the fake-tensor dispatch cache, DTensor's
+# sharding-propagation and redistribute-plan caches, which pjit turns on while
+# expanding) are cleared when they pass ``_CACHE_LIMIT`` entries.
+
+_CACHE_LIMIT = 4096
+
+
+def fx_source_mark() -> int:
+    """A mark before a compile: sources generated after it are that compile's."""
+    from torch.fx.graph_module import _loader
+
+    return _loader.next_id
+
+
+def release_fx_sources(since: int, keep=()) -> None:
+    """Forget the generated sources of graph modules made since ``since``, except
+    those of ``keep`` (forgotten when each of them is freed)."""
+    import weakref
+
+    from torch.fx.graph_module import _loader
+
+    kept = {}
+    for gm in keep:
+        key = getattr(getattr(type(gm), "forward", None), "__code__", None)
+        if key is not None:
+            kept[key.co_filename] = gm
+    for key in list(_loader.eval_cache):
+        if _source_id(key) >= since and key not in kept:
+            _drop_source(key)
+    for key, gm in kept.items():
+        weakref.finalize(gm, _drop_source, key)
+
+
+def _source_id(key: str) -> int:
+    try:
+        return int(key.split(".", 1)[1].split(" ", 1)[0])
+    except (IndexError, ValueError):
+        return -1
+
+
+def _drop_source(key: str) -> None:
+    import linecache
+
+    from torch.fx.graph_module import _loader
+
+    _loader.eval_cache.pop(key, None)
+    linecache.cache.pop(key, None)
+
+
+def bound_process_caches() -> None:
+    """Clear the process-wide caches that grow with every new shape once they pass
+    ``_CACHE_LIMIT`` entries (NOTE [Bounded caches])."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import _redistribute
+
+    if len(FakeTensorMode.cache) > _CACHE_LIMIT:
+        FakeTensorMode.cache_clear()
+    prop = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    if prop.cache_info().currsize > _CACHE_LIMIT:
+        prop.cache_clear()
+    if _redistribute._gen_transform_infos.cache_info().currsize > _CACHE_LIMIT:
+        _redistribute._gen_transform_infos.cache_clear()

@@ -352,9 +352,17 @@ class Pjit:
     def _compile(self, sig: _Signature, args) -> Compiled:
         with _COMPILE_LOCK:
             entry = self._lookup(sig)          # another thread may have compiled it
-            if entry is None:
+            if entry is not None:
+                return entry
+            mark = _torch.fx_source_mark()
+            keep = ()
+            try:
                 entry = self._build(sig, args)
-                self._store(sig, entry)
+                keep = (entry.global_graph, entry.local_graph)
+            finally:
+                _torch.release_fx_sources(mark, keep)   # NOTE [Bounded caches]
+                _torch.bound_process_caches()
+            self._store(sig, entry)
             return entry
 
     def _build(self, sig: _Signature, args) -> Compiled:
