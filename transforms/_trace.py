@@ -49,8 +49,9 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str) -> 
     with fake_mode:
         fakes = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device) for m in metas]
     try:
-        with _global_trace():
-            gm = make_fx(flat_fn, tracing_mode="fake")(*fakes)
+        with _global_trace(), _torch.user_stack_traces():
+            # stack traces: errors in later steps name the user's source line
+            gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True)(*fakes)
         if _has_mutations(gm):
             gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*fakes)
         return gm
