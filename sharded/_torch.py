@@ -248,3 +248,11 @@ def source_line(node) -> str:
     trace = node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
     return lines[-1] if lines else ""
+
+
+def storage_key(t: torch.Tensor):
+    """An identity for ``t``'s storage (equal for views of one tensor; fake tensors
+    too), for alias analysis of traced graphs."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())

@@ -48,7 +48,8 @@ from sharded.modes.base import ParallelMode, Partitioned
 from sharded.modes.dtensor_expand import _ADDITIVE, _LINEAR_IN_PARTIAL
 from sharded.passes import (DEFAULT_BUCKET_BYTES, bucket_all_gathers, bucket_all_reduces,
                             bucket_reduce_scatters, cse, dce, prefetch_all_gathers,
-                            remove_identity_views, remove_trivial_collectives, sink_waits)
+                            reinplace_foreach, remove_identity_views, remove_trivial_collectives,
+                            sink_waits)
 from sharded.spec import P, from_placements, to_placements
 
 _SHARDINGS = ("replicate", "shard")
@@ -167,6 +168,7 @@ class DataParallelMode(ParallelMode):
         graph = sink_waits(graph)
         if self.param_sharding == "shard":
             graph = prefetch_all_gathers(graph, self.prefetch)
+        graph = reinplace_foreach(graph)
         graph.graph.lint()
         graph.recompile()
         return graph

@@ -85,3 +85,57 @@ def fingerprint(gm: fx.GraphModule, mesh, extra: tuple = ()) -> tuple[str, list[
     lines = [str(x) for x in extra] + [str(c) for c in collectives(gm, mesh)]
     digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
     return digest, lines
+
+
+def memory(gm: fx.GraphModule) -> dict:
+    """A static estimate of this rank's memory while it runs ``gm``: bytes of the
+    inputs (held by the caller throughout), and the peak of live bytes (inputs plus
+    every intermediate from the op that allocates it to its last use, as the
+    generated code frees it; views and in-place ops allocate nothing), with the node
+    where it is reached. ``{"input_bytes", "output_bytes", "peak_bytes", "peak_node"}``."""
+    from sharded._torch import storage_key
+
+    nodes = list(gm.graph.nodes)
+    sizes: dict = {}
+    first: dict = {}
+    last: dict = {}
+    for i, n in enumerate(nodes):
+        vals = n.meta.get("val")
+        for v in vals if isinstance(vals, (list, tuple)) else [vals]:
+            if isinstance(v, torch.Tensor):
+                key = storage_key(v)
+                sizes[key] = v.untyped_storage().nbytes()
+                first.setdefault(key, i)
+                last[key] = i
+        for a in n.all_input_nodes:
+            avals = a.meta.get("val")
+            for v in avals if isinstance(avals, (list, tuple)) else [avals]:
+                if isinstance(v, torch.Tensor):
+                    last[storage_key(v)] = i
+    inputs = {storage_key(n.meta["val"]) for n in nodes
+              if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+    out_node = nodes[-1]
+    outputs = set()
+    for a in out_node.all_input_nodes:
+        avals = a.meta.get("val")
+        for v in avals if isinstance(avals, (list, tuple)) else [avals]:
+            if isinstance(v, torch.Tensor):
+                outputs.add(storage_key(v))
+    for key in inputs | outputs:
+        last[key] = len(nodes)
+    allocs: dict = {}
+    frees: dict = {}
+    for key, i in first.items():
+        if key not in inputs:
+            allocs.setdefault(i, []).append(key)
+            frees.setdefault(last[key], []).append(key)
+    live = sum(sizes[k] for k in inputs)
+    peak, peak_node = live, None
+    for i, n in enumerate(nodes):
+        live += sum(sizes[k] for k in allocs.get(i, ()))
+        if live > peak:
+            peak, peak_node = live, n.name
+        live -= sum(sizes[k] for k in frees.get(i, ()))
+    return {"input_bytes": sum(sizes[k] for k in inputs),
+            "output_bytes": sum(sizes[k] for k in outputs - inputs),
+            "peak_bytes": peak, "peak_node": peak_node}
