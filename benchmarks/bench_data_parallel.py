@@ -106,9 +106,10 @@ def _build(mode: str, spec: dict, world: int, rank: int):
     else:
         mesh = Mesh((world,), ("dp",))
         layout = "replicate" if mode == "pjit_ddp" else "shard"
-        f = pjit(spec["step"], in_specs=(P(), P(), P("dp"), P("dp")), mesh=mesh,
-                 mode=DataParallelMode(layout))
-        st["p"], st["o"] = spec["params"], optim.adamw_init(spec["params"])
+        mode = DataParallelMode(layout)
+        f = pjit(spec["step"], in_specs=(P(), P(), P("dp"), P("dp")), mesh=mesh, mode=mode)
+        init = pjit(optim.adamw_init, in_specs=P(), mesh=mesh, mode=mode)   # born sharded
+        st["p"], st["o"] = spec["params"], init(spec["params"])
 
         def step():
             st["p"], st["o"], st["loss"] = f(st["p"], st["o"], x, y)

@@ -262,3 +262,23 @@ def test_bad_arguments():
         DataParallelMode(bucket_bytes=0)
     with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
         DataParallelMode(prefetch=-1)
+
+
+def _init_born_sharded():
+    mesh = Mesh((2,), ("dp",))
+    init_state = pjit(optim.adamw_init, in_specs=P(), mesh=mesh, mode=DataParallelMode("shard"))
+    params = init()
+    state = init_state(params)
+    return ({k: spec_of(v) for k, v in state["m"].items()}, spec_of(state["step"]),
+            {k: v.to_local().numel() for k, v in state["v"].items()},
+            {k: v.numel() for k, v in params.items()},
+            float(sum(gather(t).abs().sum() for t in state["m"].values())))
+
+
+def test_optimizer_state_is_born_sharded(on_ranks):
+    for m_specs, step_spec, local, full, total in on_ranks(2, _init_born_sharded):
+        assert step_spec == P() and total == 0.0
+        for k, spec in m_specs.items():
+            divides = init()[k].shape[0] % 2 == 0
+            assert spec == (P("dp") if divides else P())
+            assert local[k] == full[k] // (2 if divides else 1)

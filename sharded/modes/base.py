@@ -23,7 +23,7 @@ from typing import Sequence
 import torch.fx as fx
 from torch.distributed.tensor import Placement
 
-from sharded.passes import (bucket_all_reduces, cse, dce, remove_identity_views,
+from sharded.passes import (bucket_all_reduces, cse, dce, reinplace_foreach, remove_identity_views,
                             remove_trivial_collectives, sink_waits)
 
 
@@ -64,9 +64,11 @@ class ParallelMode(abc.ABC):
 
     def transform_and_compile(self, graph: fx.GraphModule, mesh) -> fx.GraphModule:
         """Default passes: drop size-1 collectives and identity views, DCE, CSE,
-        bucket all-reduces, and sink waits so collectives overlap with compute."""
+        bucket all-reduces, sink waits so collectives overlap with compute, and run
+        the optimizer's multi-tensor ops in place where nothing else reads their
+        inputs."""
         graph = cse(dce(remove_identity_views(remove_trivial_collectives(graph))))
-        graph = sink_waits(bucket_all_reduces(graph))
+        graph = reinplace_foreach(sink_waits(bucket_all_reduces(graph)))
         graph.recompile()
         return graph
 
