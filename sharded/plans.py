@@ -45,9 +45,9 @@ from torch.distributed.tensor.parallel import (
 
 from sharded import _manual, _torch
 from sharded._trace_state import in_global_trace
-from sharded.mesh import Mesh
+from sharded.mesh import Mesh, current_mesh
 from sharded.modes._expand import special_op
-from sharded.spec import P
+from sharded.spec import P, check_spec
 
 __all__ = [
     "Style", "colwise", "rowwise", "sequence_parallel", "prepare_input", "prepare_output",
@@ -176,7 +176,7 @@ def _frozen(d: dict):
 # API: specs_from_plan and parallelize
 # ---------------------------------------------------------------------------------------
 
-def specs_from_plan(module_or_params, plan, mesh, *, axis: str = "tp"):
+def specs_from_plan(module_or_params, plan, mesh: Mesh | None = None, *, axis: str = "tp"):
     """The spec of every parameter under ``plan`` (``P()`` where it says nothing).
 
     - An ``nn.Module``: plan keys are module paths with fnmatch patterns per path atom
@@ -189,8 +189,8 @@ def specs_from_plan(module_or_params, plan, mesh, *, axis: str = "tp"):
       ``embedding=True``), a 1-D one as its bias. Returns the same pytree with ``P``
       leaves.
 
-    ``plan`` may also be a single style (applied to the root). A key that matches
-    nothing, a style that does not fit its module and two keys that give one
+    ``plan`` may also be a single style (applied to the root). ``mesh`` defaults to
+    the one of an enclosing ``with mesh:``. A key that matches nothing, a style that does not fit its module and two keys that give one
     parameter different specs are errors.
     """
     mesh = _check_mesh(mesh, axis, "specs_from_plan")
@@ -200,7 +200,7 @@ def specs_from_plan(module_or_params, plan, mesh, *, axis: str = "tp"):
     return _params_specs(module_or_params, entries, mesh, axis)
 
 
-def parallelize(module: nn.Module, plan, mesh, *, axis: str = "tp") -> dict:
+def parallelize(module: nn.Module, plan, mesh: Mesh | None = None, *, axis: str = "tp") -> dict:
     """``specs_from_plan(module, plan, mesh, axis=axis)``, and the plan's activation
     layouts made part of every program pjit traces through ``module``.
 
@@ -248,6 +248,8 @@ def _remove_hooks(module: nn.Module) -> None:
 # ---------------------------------------------------------------------------------------
 
 def _check_mesh(mesh, axis, api) -> Mesh:
+    if mesh is None:
+        mesh = current_mesh(None, api)
     if not isinstance(mesh, Mesh):
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -341,12 +343,6 @@ def _spec(placement, axis, ndim) -> P:
     return P()
 
 
-def _check_param(spec: P, shape, mesh, where) -> None:
-    from sharded.spec import check_spec
-
-    check_spec(spec, shape, mesh, where)
-
-
 # ---------------------------------------------------------------------------------------
 # Modules: parameter specs and the styles bound to each module
 # ---------------------------------------------------------------------------------------
@@ -366,7 +362,6 @@ def _module_specs(root: nn.Module, entries, mesh, axis, api):
     """``({param path: P}, {id(module): [_Bound]})``."""
     modules = list(root.named_modules())
     paths = [p for p, _ in modules]
-    param_paths = {id(t): n for n, t in root.named_parameters()}
     assigned: dict[int, tuple] = {}           # id(param) -> (placement, key, module path)
     bound: dict[int, list] = {}
     for entry in entries:
@@ -383,13 +378,13 @@ def _module_specs(root: nn.Module, entries, mesh, axis, api):
                     if placement is None:
                         continue
                     full = f"{path}.{pname}" if path else pname
-                    _assign(assigned, t, placement, entry.key, full, param_paths, axis, where)
+                    _assign(assigned, t, placement, entry.key, full, axis, where)
                 bound.setdefault(id(m), []).append(_Bound(style, kind, path or "<root>", entry.key, axis, mesh))
     specs = {}
     for name, t in root.named_parameters():
         placement = assigned.get(id(t), (Replicate(),))[0]
         spec = _spec(placement, axis, t.ndim)
-        _check_param(spec, t.shape, mesh, f"{api}: parameter {name!r} (shape {tuple(t.shape)}) as {spec!r}")
+        check_spec(spec, t.shape, mesh, f"{api}: parameter {name!r} (shape {tuple(t.shape)}) as {spec!r}")
         specs[name] = spec
     return specs, bound
 
@@ -432,17 +427,20 @@ def _param_placement(style: Style, kind: str, pname: str, ndim: int, where: str)
     return Shard(1) if is_weight else Replicate() if is_bias else None
 
 
-def _assign(assigned, t, placement, key, full, param_paths, axis, where) -> None:
+def _assign(assigned, t, placement, key, full, axis, where) -> None:
+    """Record ``t``'s placement; a second, different one is an error."""
     prev = assigned.get(id(t))
-    if prev is not None and prev[0] != placement:
-        raise ValueError(
-            f"{where}: parameter {full!r} (shared with {prev[2]!r}) would be "
-            f"{_spec(placement, axis, t.ndim)!r} here but {_spec(prev[0], axis, t.ndim)!r} "
-            f"under plan key {prev[1]!r}; a tensor has one layout. Untie the weights, or "
-            f"give both modules styles that agree."
-        )
     if prev is None:
         assigned[id(t)] = (placement, key, full)
+    elif prev[0] != placement:
+        tied = prev[2] != full
+        raise ValueError(
+            f"{where}: parameter {full!r} would be {_spec(placement, axis, t.ndim)!r} here, "
+            f"but plan key {prev[1]!r} made it"
+            f"{f' (tied: the same tensor as {prev[2]!r})' if tied else ''} "
+            f"{_spec(prev[0], axis, t.ndim)!r}; a tensor has one layout. "
+            f"{'Untie the weights, or give' if tied else 'Give'} the two keys styles that agree."
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -455,7 +453,6 @@ def _params_specs(params, entries, mesh, axis):
     atoms = [tuple(a for k in path for a in str(k).split(".")) for path in paths]
     names = [".".join(a) for a in atoms]
     assigned: dict[int, tuple] = {}
-    placements: list = [None] * len(leaves)
     for entry in entries:
         n = len(entry.atoms)
         hits = [i for i, a in enumerate(atoms) if len(a) >= n and _matches(entry.atoms, a[:n])]
@@ -479,8 +476,7 @@ def _params_specs(params, entries, mesh, axis):
                 placement = _param_placement(style, kind, names[i], t.ndim, where)
                 if placement is None:
                     continue
-                _assign(assigned, t, placement, entry.key, names[i], {}, axis, where)
-                placements[i] = assigned[id(t)][0]
+                _assign(assigned, t, placement, entry.key, names[i], axis, where)
     out = []
     for i, t in enumerate(leaves):
         if not isinstance(t, torch.Tensor):
@@ -488,7 +484,7 @@ def _params_specs(params, entries, mesh, axis):
             continue
         placement = assigned.get(id(t), (Replicate(),))[0]
         spec = _spec(placement, axis, t.ndim)
-        _check_param(spec, t.shape, mesh, f"{api}: {names[i]!r} (shape {tuple(t.shape)}) as {spec!r}")
+        check_spec(spec, t.shape, mesh, f"{api}: {names[i]!r} (shape {tuple(t.shape)}) as {spec!r}")
         out.append(spec)
     return optree.tree_unflatten(treedef, out)
 
@@ -558,7 +554,6 @@ class _Bound:
                 b = self._pair(src, dkw.get(name), f"input_kwarg_layouts[{name!r}]")
                 if b is not None:
                     self.kwargs[name] = b
-            self.args = self.args or []
         elif s.kind == "prepare_output":
             self.first_only = False
             self.outputs = [
@@ -770,6 +765,23 @@ class _Layout(torch.autograd.Function):
         if ctx.bwd_id is None:
             return grad, None, None
         return _Layout.apply(grad, (ctx.bwd_id,), None), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, fwd_ids, bwd_id):
+        """Under torch.func.vmap the layouts name the logical dims: with the vmapped
+        dim moved to the front, a split of dim d is one of physical dim d + 1."""
+        if in_dims[0] is None:
+            return _Layout.apply(x, fwd_ids, bwd_id), None
+        x = x.movedim(in_dims[0], 0)
+        fwd = tuple(_shifted(i) for i in fwd_ids)
+        return _Layout.apply(x, fwd, None if bwd_id is None else _shifted(bwd_id)), 0
+
+
+def _shifted(layout_id: int) -> int:
+    axis, placement, where = _LAYOUTS[layout_id]
+    if isinstance(placement, Shard):
+        placement = Shard(placement.dim + 1)
+    return _layout_id(axis, placement, where)
 
 
 @special_op(AXIS_LAYOUT_OP)

@@ -25,11 +25,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from examples import gpt, gpt_module as gm
-from sharded import Mesh, P, gather, optim, shard
+from sharded import Mesh, P, gather, optim, shard, spec_of
 from sharded.plans import (
     colwise, parallelize, prepare_input, rowwise, sequence_parallel, specs_from_plan,
 )
-from transforms import pjit
+from transforms import pjit, shard_map
 
 CFG = gm.Config(vocab=64, d_model=32, n_heads=4, n_layers=2, seq=16)
 BATCH = 4
@@ -185,6 +185,33 @@ def _sgd_check(mesh, model, plan, args, kwargs=None, in_specs=None):
     return [str(c) for c in f.lower(params, args, kwargs).collectives()]
 
 
+def _vmapped_module(mesh):
+    """vmap over a parallelized module (per-example outputs and gradients): the
+    styles' layouts name the logical dims, so net2's output split over its dim 0 (the
+    sequence) is a split of the program's dim 1. (net2 has no bias: under vmap a
+    Linear's bias is a separate add, before which the pending sum is all-reduced;
+    docs/plans.md, limitations.)"""
+    model = MLPModule()
+    model.net2 = nn.Linear(16, 12, bias=False)
+    specs = parallelize(model, {"net1": colwise(), "net2": rowwise(output_layouts=Shard(0))}, mesh)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.rand(3, 4, 10)
+
+    def per_example(p, x):
+        def one(xi):
+            return torch.func.functional_call(model, p, (xi,))
+
+        grads = torch.func.vmap(torch.func.grad(lambda p, xi: torch.func.functional_call(
+            model, p, (xi,)).pow(2).sum()), in_dims=(None, 0))(p, x)
+        return torch.func.vmap(one)(x), grads
+
+    f = pjit(per_example, in_specs=(specs, P()), mesh=mesh)
+    out, grads = f(params, x)
+    torch.testing.assert_close(gather((out, grads)), per_example(params, x), rtol=1e-5, atol=1e-5)
+    assert spec_of(out) == P(None, "tp"), spec_of(out)
+    return [str(c) for c in f.lower(params, x).collectives()]
+
+
 def _torch_style_ports():
     mesh = Mesh((2,), ("tp",))
     torch.manual_seed(0)
@@ -224,6 +251,15 @@ def _torch_style_ports():
                                     (torch.rand(6, 8),))
     assert specs_from_plan(NormModule(), {"ln": SequenceParallel(sequence_dim=0)}, mesh) == {
         "ln.weight": P(), "ln.bias": P(), "proj.weight": P(), "proj.bias": P()}
+    results["vmap"] = _vmapped_module(mesh)
+    # Inside a shard_map body the module sees local shards: the hooks stand aside
+    # (here they would split the local 3 rows over 2 ranks and fail).
+    norm = NormModule()
+    parallelize(norm, {"ln": sequence_parallel(sequence_dim=0)}, mesh)
+    region = shard_map(lambda x: norm(x), mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+    x6 = torch.rand(6, 8)
+    torch.testing.assert_close(gather(pjit(lambda x: region(x) * 2, in_specs=P("tp"), mesh=mesh)(x6)),
+                               norm(x6) * 2)
     # A layout that does not divide the sequence is an error naming the module.
     try:
         _sgd_check(mesh, NormModule(), {"ln": sequence_parallel(sequence_dim=0)}, (torch.rand(5, 8),))
@@ -294,6 +330,10 @@ def test_torch_parallelize_module_cases(on_ranks):
     assert res["kwargs"] == Counter({"all_gather float32[2, 8]": 1, "all_gather float32[4, 4]": 1}), res["kwargs"]
     assert res["emb_col"] == Counter({"all_gather float32[2, 4, 4]": 1}), res["emb_col"]
     assert res["emb_row"] == Counter({"all_reduce sum float32[2, 4, 8]": 1}), res["emb_row"]
+    # Per-example (vmap): net2's pending sum reduce-scattered over the sequence, no
+    # all-reduce of activations.
+    assert res["vmap"] == Counter({"reduce_scatter sum float32[6, 2, 12]": 1, "all_reduce sum float32[3]": 1,
+                                   "all_gather float32[3, 2, 12]": 1}), res["vmap"]
     # Sequence parallel: no activation collective; the loss and the gradients of the
     # replicated parameters are reduced.
     assert all(c.startswith("all_reduce") for c in res["sp_dim0"]), res["sp_dim0"]
@@ -366,8 +406,10 @@ def test_plan_errors(mesh1):
     # Tied weights that two styles would lay out differently.
     tied = gm.GPT(CFG)
     tied.head.weight = tied.wte.weight
-    with pytest.raises(ValueError, match=r"parameter 'head.weight' \(shared with 'wte.weight'\) would be P\('tp'\) here but P\(None, 'tp'\)"):
+    with pytest.raises(ValueError, match=r"parameter 'head.weight' would be P\('tp'\) here, but plan key 'wte' made it \(tied: the same tensor as 'wte.weight'\) P\(None, 'tp'\)"):
         specs_from_plan(tied, {"wte": ColwiseParallel(), "head": ColwiseParallel()}, mesh1)
+    with pytest.raises(ValueError, match=r"'head.weight' would be P\(None, 'tp'\) here, but plan key 'head' made it P\('tp'\).*Give the two keys"):
+        specs_from_plan(model, {"head": colwise(), "he*": rowwise()}, mesh1)
     # Megatron's tied embedding: rowwise table and colwise head agree (vocab split).
     assert specs_from_plan(tied, {"wte": RowwiseParallel(), "head": ColwiseParallel()}, mesh1)["wte.weight"] == P("tp")
 
