@@ -8,6 +8,9 @@ test_tp_style.py) and torchtitan's Llama plans.
 """
 
 import functools
+import os
+import subprocess
+import sys
 from collections import Counter, OrderedDict
 
 import pytest
@@ -463,3 +466,14 @@ def test_input_layout_count_mismatch_is_an_error(mesh1):
     f = pjit(lambda p, x: torch.func.functional_call(model, p, (x,)), in_specs=(specs, P()), mesh=mesh1)
     with pytest.raises(ValueError, match=r"on module 'net1': input_layouts has 2 entries but the module was called with 1"):
         f(dict(model.named_parameters()), torch.rand(4, 10))
+
+
+def test_example_trains_a_module_with_a_plan_on_2x2_local_ranks():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "examples", "gpt_module.py"), "--steps", "3"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert "sp plan on mesh {'dp': 2, 'tp': 2}" in res.stdout, res.stdout
+    assert "'reduce_scatter': 10" in res.stdout, res.stdout
+    assert "loss difference over 3 steps" in res.stdout, res.stdout
