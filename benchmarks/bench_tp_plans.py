@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._models import git_rev  # noqa: E402
+from benchmarks.bench_train_step import _timed_interleaved  # noqa: E402
 from examples import gpt_module as gm  # noqa: E402
 from sharded import launch  # noqa: E402
 
@@ -46,21 +47,6 @@ MODES = {
     "single": "single-device eager module + torch.optim.AdamW (every rank, full batch)",
 }
 LR, WD = 1e-3, 1e-2
-
-
-def _timed_interleaved(steps: dict, warmup: int, iters: int) -> dict[str, list[float]]:
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    times: dict[str, list[float]] = {m: [] for m in steps}
-    for _ in range(iters):
-        for mode, step in steps.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            times[mode].append(time.perf_counter() - t0)
-    dist.barrier()
-    return times
 
 
 def _rank_main(a: dict) -> dict:
