@@ -248,6 +248,9 @@ def _torch_style_ports():
     ids = torch.tensor([[0, 5, 15, 7], [3, 3, 9, 12]])
     results["emb_col"] = _sgd_check(mesh, EmbedModule(), {"emb": colwise(output_layouts=P())}, (ids,))
     results["emb_row"] = _sgd_check(mesh, EmbedModule(), {"emb": RowwiseParallel(input_layouts=Replicate())}, (ids,))
+    # torch's default input_layouts=Shard(-1) for a rowwise embedding: the ids are
+    # taken as split on the last dim, so they are all-gathered (as in torch).
+    results["emb_row_default"] = _sgd_check(mesh, EmbedModule(), {"emb": RowwiseParallel()}, (ids,))
     # port of test_sequence_parallel_style: a norm's input and output split over the
     # sequence (here dim 0), its parameters replicated.
     results["sp_dim0"] = _sgd_check(mesh, NormModule(), {"ln": sequence_parallel(sequence_dim=0)},
@@ -333,6 +336,7 @@ def test_torch_parallelize_module_cases(on_ranks):
     assert res["kwargs"] == Counter({"all_gather float32[2, 8]": 1, "all_gather float32[4, 4]": 1}), res["kwargs"]
     assert res["emb_col"] == Counter({"all_gather float32[2, 4, 4]": 1}), res["emb_col"]
     assert res["emb_row"] == Counter({"all_reduce sum float32[2, 4, 8]": 1}), res["emb_row"]
+    assert res["emb_row_default"] == Counter({"all_gather int64[2, 2]": 1, "all_reduce sum float32[2, 4, 8]": 1})
     # Per-example (vmap): net2's pending sum reduce-scattered over the sequence, no
     # all-reduce of activations.
     assert res["vmap"] == Counter({"reduce_scatter sum float32[6, 2, 12]": 1, "all_reduce sum float32[3]": 1,
