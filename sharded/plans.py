@@ -27,7 +27,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import optree
 import torch

@@ -16,7 +16,6 @@ from collections import Counter, OrderedDict
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
