@@ -832,7 +832,7 @@ class _BufferCheck:
         if module.training and getattr(module, "track_running_stats", False) and (
                 getattr(module, "running_mean", None) is not None):
             raise self._error(module, ["running_mean", "running_var"])
-        self.stack.append({n: b._version for n, b in module.named_buffers(recurse=False)})
+        self.stack.append({n: _torch.version(b) for n, b in module.named_buffers(recurse=False)})
         return None
 
     def after(self, module, args, output):
@@ -842,7 +842,7 @@ class _BufferCheck:
         if not _tracing():
             return None
         changed = [n for n, b in module.named_buffers(recurse=False)
-                   if n in versions and b._version != versions[n]]
+                   if n in versions and _torch.version(b) != versions[n]]
         if changed:
             raise self._error(module, changed)
         return None
