@@ -102,6 +102,7 @@ def _train_with_plans(shape):
         lowered = step.lower(d_params, d_opt, ids, targets)
         calls = [(c.axis, c.kind, c.shape, _wire_bytes(c, mesh)) for c in lowered.collectives()]
         out[name] = calls
+        out[name + "_cost"] = lowered.cost()
         if shape == (1, 2) and name == "sp":
             # The builders' plan (layouts as P) traces to the same program.
             model_b = gm.GPT(CFG)
@@ -281,6 +282,7 @@ def test_gpt_trains_like_one_device_with_megatron_and_sequence_parallel_plans(on
     res = on_ranks(shape[0] * shape[1], _train_with_plans, shape)[0]
     L, b = CFG.n_layers, BATCH // shape[0]
     act = b * CFG.seq * CFG.d_model                      # elements of one activation
+    cost = {name: res.pop(name + "_cost") for name in ("megatron", "sp")}
     tp = {name: [(k, s, w) for a, k, s, w in calls if a == "tp"] for name, calls in res.items()}
     numel = lambda s: torch.Size(s).numel()  # noqa: E731
 
@@ -290,6 +292,9 @@ def test_gpt_trains_like_one_device_with_megatron_and_sequence_parallel_plans(on
     mega = Counter((k, numel(s)) for k, s, _ in tp["megatron"])
     assert mega == Counter({("all_reduce", act): 4 * L + 2,
                             ("all_gather", b * CFG.seq * CFG.vocab // 2): 1}), mega
+    if shape == (1, 2):
+        assert {k: v["count"] for k, v in cost["megatron"].items()} == {
+            "all_reduce": 4 * L + 2, "all_gather": 1, "total": 4 * L + 3}, cost["megatron"]
 
     # Sequence parallel (torchtitan's plan): the activations are reduce-scattered and
     # all-gathered over "tp"; no activation is all-reduced.
