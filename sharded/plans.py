@@ -796,8 +796,17 @@ def _expand_axis_layout(ex, node, args, kwargs):
             f"has no such axis; parallelize with the axis of the mesh pjit runs on."
         )
     x = ex.as_dtensor(x)
+    i = mesh.axis_names.index(axis)
+    # A masked pending sum (a row-split embedding's output) applies its ids mask when
+    # reduced, valid only on the shape the embedding produced: reduce it on the other
+    # axes before this one changes (a split of the rows here would leave the mask
+    # behind, and the program fail at run time).
+    masked = [j for j, p in enumerate(x.placements)
+              if j != i and _torch.is_partial(p) and not _torch.is_plain_partial(p)]
+    if masked and x.placements[i] != placement:
+        x = ex.redistribute(x, [Replicate() if j in masked else p for j, p in enumerate(x.placements)])
     target = list(x.placements)
-    target[mesh.axis_names.index(axis)] = placement
+    target[i] = placement
     if isinstance(placement, Shard):
         n = 1
         for a, p in zip(mesh.axis_names, target):
