@@ -65,6 +65,11 @@ def functorch_level() -> int:
     return 0 if level is None else level
 
 
+def version(t: torch.Tensor) -> int:
+    """The tensor's version counter (bumped by every in-place op on it)."""
+    return t._version
+
+
 def local_tensor(dt: DTensor) -> torch.Tensor:
     """The local shard of a DTensor without going through autograd (hot path)."""
     return dt._local_tensor

@@ -4,7 +4,6 @@ only, with torch.func.grad / vmap / einops already resolved."""
 
 from __future__ import annotations
 
-import threading
 from typing import Callable, Sequence
 
 import torch
@@ -12,26 +11,11 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sharded import _torch
+from sharded._trace_state import global_trace as _global_trace, in_global_trace  # noqa: F401
 
 
 class TracingError(RuntimeError):
     """The function cannot be traced into a static program."""
-
-
-_STATE = threading.local()
-
-
-def in_global_trace() -> bool:
-    """True while pjit traces a function into its global (single-device) graph."""
-    return getattr(_STATE, "depth", 0) > 0
-
-
-class _global_trace:
-    def __enter__(self):
-        _STATE.depth = getattr(_STATE, "depth", 0) + 1
-
-    def __exit__(self, *exc):
-        _STATE.depth -= 1
 
 
 def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str) -> fx.GraphModule:
