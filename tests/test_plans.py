@@ -517,3 +517,55 @@ def test_example_trains_a_module_with_a_plan_on_2x2_local_ranks():
     assert "sp plan on mesh {'dp': 2, 'tp': 2}" in res.stdout, res.stdout
     assert "'reduce_scatter': 10" in res.stdout, res.stdout
     assert "loss difference over 3 steps" in res.stdout, res.stdout
+
+
+# -- composition with DataParallelMode --------------------------------------------------
+
+def _plans_under_data_parallel():
+    """The Megatron and sequence-parallel plans over "tp" with DataParallelMode over
+    "dp" (DDP x TP and FSDP x TP in one program): 3 steps equal one device, and the
+    mode lays the parameters out over "dp" on a dim that "tp" does not split."""
+    from sharded.modes import DataParallelMode
+
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    ids, targets = gm.pattern_batch(CFG, BATCH)
+    out = {}
+    for name in ("megatron", "sp"):
+        for layout in ("replicate", "shard"):
+            model = gm.GPT(CFG)
+            specs = parallelize(model, gm.PLANS[name](), mesh, axis="tp")
+            params = {k: v.detach() for k, v in model.named_parameters()}
+            opt = optim.sgd_init(params)
+            train_step = gm.make_train_step(model, _SGD)
+            step = pjit(train_step, in_specs=(specs, specs, P("dp"), P("dp")), mesh=mesh,
+                        mode=DataParallelMode(layout))
+            d_params, d_opt, r_params, r_opt = params, opt, params, opt
+            for _ in range(3):
+                d_params, d_opt, d_loss = step(d_params, d_opt, ids, targets)
+                r_params, r_opt, r_loss = train_step(r_params, r_opt, ids, targets)
+                torch.testing.assert_close(gather(d_loss), r_loss, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(gather(d_params), r_params, rtol=1e-4, atol=1e-5)
+            kinds = Counter((c.axis, c.kind) for c in step.lower(d_params, d_opt, ids, targets).collectives())
+            out[name, layout] = ({k: spec_of(v) for k, v in d_params.items()}, specs, kinds)
+    return out
+
+
+def test_plans_compose_with_data_parallel_mode(on_ranks):
+    res = on_ranks(4, _plans_under_data_parallel)[0]
+    for (name, layout), (out_specs, tp_specs, kinds) in res.items():
+        for k, spec in out_specs.items():
+            tp_dims = [d for d, e in enumerate(tp_specs[k]) if e is not None]
+            dp_dims = [d for d, e in enumerate(spec) if e is not None and "dp" in ((e,) if isinstance(e, str) else e)]
+            assert [d for d, e in enumerate(spec) if e is not None and "tp" in ((e,) if isinstance(e, str) else e)] == tp_dims
+            if layout == "replicate":
+                assert dp_dims == [], (name, k, spec)
+            else:
+                assert len(dp_dims) <= 1 and not set(dp_dims) & set(tp_dims), (name, k, spec)
+        if layout == "shard":
+            n_sharded = sum("dp" in str(spec) for spec in out_specs.values())
+            assert n_sharded >= len(out_specs) // 2, (name, out_specs)
+            assert kinds[("dp", "all_gather")] >= 1 and kinds[("dp", "reduce_scatter")] >= 1, kinds
+        else:
+            assert kinds[("dp", "all_gather")] == 0 and kinds[("dp", "reduce_scatter")] == 0, kinds
+        if name == "sp":
+            assert kinds[("tp", "reduce_scatter")] > 0 and kinds[("tp", "all_gather")] > 0, kinds
