@@ -17,7 +17,6 @@ import inspect
 import logging
 import os
 import sysconfig
-import threading
 import traceback
 import types
 from typing import Callable, Sequence
@@ -28,6 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sharded import _torch
+from sharded._trace_state import global_trace as _global_trace, in_global_trace  # noqa: F401
 
 
 class TracingError(RuntimeError):
@@ -36,22 +36,6 @@ class TracingError(RuntimeError):
 
 class CapturedStateError(ValueError):
     """The function changes a tensor or module state it does not take as an argument."""
-
-
-_STATE = threading.local()
-
-
-def in_global_trace() -> bool:
-    """True while pjit traces a function into its global (single-device) graph."""
-    return getattr(_STATE, "depth", 0) > 0
-
-
-class _global_trace:
-    def __enter__(self):
-        _STATE.depth = getattr(_STATE, "depth", 0) + 1
-
-    def __exit__(self, *exc):
-        _STATE.depth -= 1
 
 
 class _QuietFakeTensorErrors(logging.Filter):
@@ -91,7 +75,9 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
     try:
         with _global_trace():
             try:
-                gm = make_fx(guarded, tracing_mode="fake")(*fakes)
+                with _torch.user_stack_traces():
+                    # stack traces: errors in later steps name the user's source line
+                    gm = make_fx(guarded, tracing_mode="fake", record_stack_traces=True)(*fakes)
             finally:
                 if state is not None:
                     state.restore_and_check()

@@ -29,7 +29,7 @@ from sharded.mesh import Mesh, current_mesh
 from sharded.modes import DTensorExpandMode, ParallelMode
 from sharded.passes import fingerprint
 from sharded.random.rewrite import rewrite_random_ops
-from sharded.spec import P, check_spec, local_slice, to_placements
+from sharded.spec import P, check_spec, from_placements, local_slice, to_placements
 from transforms._trace import in_global_trace, mutated_inputs, trace_global
 from transforms.lowered import Lowered
 
@@ -130,7 +130,7 @@ class _Signature:
     key: tuple
 
 
-@dataclass
+@dataclass(eq=False)
 class Compiled:
     """One traced and partitioned program (a cache entry). ``run`` is the per-call
     path: everything it needs is planned at compile time."""
@@ -146,6 +146,7 @@ class Compiled:
     out_treedef: Any
     out_plan: list                       # per output leaf: ("static", value) or ("dtensor", spec)
     out_placements: list                 # per tensor output (for Lowered)
+    layouts: dict | None = None          # the mode's report of the layouts it chose
     n_draws: int = 0                     # random draws per call (counter-based RNG)
     rng_device: Any = None
     program: int = 0                     # digest the ranks compare before each run
@@ -222,7 +223,11 @@ class Pjit:
         except TypeError:
             self._config = None
         self._own_cache: collections.OrderedDict = collections.OrderedDict()
-        self.trace_count = 0            # traces this object did (not served by the cache)
+        # Programs this object has used (traced, or found in the cache when another
+        # pjit of the same function traced them): one per signature, so a count that
+        # grows with the calls means retracing.
+        self.trace_count = 0
+        self._used: weakref.WeakSet = weakref.WeakSet()
         # Name and docs only: a __wrapped__ attribute would let torch.func (and
         # inspect) call the raw function, bypassing this wrapper.
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
@@ -335,7 +340,13 @@ class Pjit:
                 ) from None
             if entry is not None:
                 cache.move_to_end(key)
+                self._count(entry)
             return entry
+
+    def _count(self, entry: Compiled) -> None:
+        if entry not in self._used:
+            self._used.add(entry)
+            self.trace_count += 1
 
     def _store(self, sig: _Signature, entry: Compiled) -> None:
         with _CACHE_LOCK:
@@ -363,6 +374,7 @@ class Pjit:
                 _torch.release_fx_sources(mark, keep)   # NOTE [Bounded caches]
                 _torch.bound_process_caches()
             self._store(sig, entry)
+            self._count(entry)
             return entry
 
     def _build(self, sig: _Signature, args) -> Compiled:
@@ -391,7 +403,6 @@ class Pjit:
 
         out_info: dict[str, Any] = {}
         flat_fn = self._flat_fn(sig, out_info)
-        self.trace_count += 1
         inputs = [f"{p}: {_fmt_meta(m)}" for p, m in zip(tensor_paths, metas)]
         global_gm = trace_global(flat_fn, metas, self.name, fn=self.fn, inputs=inputs)
         mutated = mutated_inputs(global_gm)
@@ -408,8 +419,14 @@ class Pjit:
         out_specs = self._out_leaf_specs(out_leaves, out_treedef, mesh)
         n_draws = rewrite_random_ops(global_gm, self.name)
         rng_placements = [to_placements(P(), mesh)] * 2 if n_draws else []  # seed, offset
+        for node, path in zip(global_gm.graph.find_nodes(op="placeholder"),
+                              tensor_paths + ["rng seed", "rng offset"]):
+            node.meta["sharded_path"] = path
         part = self.mode.partition(global_gm, in_placements + rng_placements, out_specs, mesh)
         local_gm = self.mode.transform_and_compile(part.graph, mesh)
+        if part.in_placements is not None:       # the mode laid the inputs out itself
+            in_placements = list(part.in_placements[:len(in_placements)])
+            in_specs = [from_placements(pl, mesh, m.ndim) for pl, m in zip(in_placements, metas)]
 
         out_vals = [n for n in global_gm.graph.nodes if n.op == "output"][0].args[0]
         out_dt_specs = [
@@ -442,7 +459,8 @@ class Pjit:
             global_graph=global_gm, local_graph=local_gm, runner=self.mode.runner(local_gm),
             mesh=mesh, name=self.name, in_plan=in_plan, in_paths=paths, in_specs=in_specs,
             out_treedef=out_treedef, out_plan=out_plan, out_placements=part.out_placements,
-            n_draws=n_draws, rng_device=_mesh_device(mesh) if n_draws else None,
+            layouts=part.layouts, n_draws=n_draws,
+            rng_device=_mesh_device(mesh) if n_draws else None,
             program=sync.token(*lines()), lines=lines,
         )
 
