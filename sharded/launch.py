@@ -71,7 +71,7 @@ def _worker(rank, world, port, backend, threads, inbox, outbox):
             if item is None:
                 break
             if item[0] == "release":
-                sync.release(f"rank {rank} failed in {item[1]}")
+                sync.release(f"rank {rank} failed in {item[1]}", wait=5.0)
                 continue
             _, job, fn, args, kwargs = item
             sync.set_epoch(job)

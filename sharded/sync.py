@@ -286,19 +286,22 @@ def publish(exc: BaseException, api: str, where: str) -> None:
             pass
 
 
-def release(reason: str) -> None:
+def release(reason: str, wait: float = 0.0) -> None:
     """Close this rank's process groups so that peers blocked on them fail fast
-    (NOTE [Failures reach every rank]). Bounded: a release that blocks (a collective
-    stuck in flight) is left to finish in the background."""
+    (NOTE [Failures reach every rank]). It runs in the background (a collective stuck
+    in flight can block it; the exception should not wait for it), up to ``wait``
+    seconds in the foreground; this rank counts as released at once."""
     with _LOCK:
         if _STATE["released"] is not None or not dist.is_initialized():
             return
         _store()                               # keep the store alive: peers read it
         _STATE["released"] = reason
         _GROUPS.clear()
-    done = threading.Thread(target=_torch.release_process_groups, daemon=True)
+    done = threading.Thread(target=_torch.release_process_groups, daemon=True,
+                            name="sharded-release")
     done.start()
-    done.join(timeout=5.0)
+    if wait:
+        done.join(timeout=wait)
 
 
 def run_guarded(api: str, fn, *args):
