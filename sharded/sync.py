@@ -36,6 +36,7 @@ without failing.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import hashlib
@@ -300,8 +301,20 @@ def release(reason: str, wait: float = 0.0) -> None:
     done = threading.Thread(target=_torch.release_process_groups, daemon=True,
                             name="sharded-release")
     done.start()
+    _RELEASING.append(done)
     if wait:
         done.join(timeout=wait)
+
+
+_RELEASING: list = []
+
+
+@atexit.register
+def _finish_releasing() -> None:
+    # A release still running in a daemon thread when the interpreter finalizes would
+    # abort the process inside gloo (SIGABRT); give it a bounded time to finish.
+    for t in _RELEASING:
+        t.join(timeout=10.0)
 
 
 def run_guarded(api: str, fn, *args):

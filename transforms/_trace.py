@@ -34,7 +34,7 @@ class TracingError(RuntimeError):
     """The function cannot be traced into a static program."""
 
 
-class CapturedStateError(ValueError):
+class CapturedStateError(RuntimeError):
     """The function changes a tensor or module state it does not take as an argument."""
 
 
@@ -250,6 +250,11 @@ class _NoCapturedMutation(TorchDispatchMode):
 
     def _error(self, func, t: torch.Tensor) -> CapturedStateError:
         name = self.state.name_of(t) if self.state is not None else None
+        owner = self.state.owner_of(t) if self.state is not None else None
+        stats = ""
+        if owner is not None and getattr(owner, "track_running_stats", False):
+            stats = (" To keep its statistics fixed instead, call model.eval() (or build it "
+                     "with track_running_stats=False) before tracing.")
         what = f"{name} (shape {tuple(t.shape)}, {t.dtype})" if name else (
             f"a tensor of shape {tuple(t.shape)} ({t.dtype}) that it closes over")
         at = where(user_frame(traceback.extract_stack()))
@@ -261,7 +266,7 @@ class _NoCapturedMutation(TorchDispatchMode):
             f"new value. For module buffers (BatchNorm's running stats), call the module "
             f"with torch.func.functional_call(model, (params, buffers), args), the buffers "
             f"an argument cloned inside the function, and return the buffers "
-            f"(docs/concepts.md, 'Module state')."
+            f"(docs/concepts.md, 'Module state').{stats}"
         )
 
 
@@ -385,6 +390,12 @@ class ModuleState:
                 self.modules[key] = (f"{name}.{sub_name}" if sub_name else name, sub)
 
     # -- queries -----------------------------------------------------------------
+    def owner_of(self, t: torch.Tensor) -> torch.nn.Module | None:
+        for _, m in self.modules.values():
+            if any(v is t for v in m._buffers.values()):
+                return m
+        return None
+
     def name_of(self, t: torch.Tensor) -> str | None:
         for mname, m in self.modules.values():
             for kind in (m._parameters, m._buffers):
