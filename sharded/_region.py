@@ -136,6 +136,41 @@ class Region(torch.nn.Module):
         self._vjps[key] = vjp
         return vjp
 
+    # -- vmap ----------------------------------------------------------------------
+    def batched(self, in_dims: Sequence[int | None], size: int) -> "Region":
+        """The region applied to a batch: inputs with a dim in ``in_dims`` carry the
+        batch in dim 0 (never split over the mesh), as do all the outputs."""
+        key = ("vmap", tuple(in_dims), size)
+        if key in self._vjps:
+            return self._vjps[key]
+        if self.n_draws:
+            raise NotImplementedError(
+                f"{self.name}: torch.func.vmap over a shard_map whose body draws random "
+                f"numbers is not supported; draw them outside and pass them in."
+            )
+        fwd = self
+        dims = tuple(0 if d is not None else None for d in in_dims)
+
+        def body(*xs):
+            return list(torch.func.vmap(lambda *a: tuple(fwd.interpret(list(a))),
+                                        in_dims=dims, out_dims=0)(*xs))
+
+        in_metas = [((size, *s) if d is not None else s, dt)
+                    for s, dt, d in zip(self.in_shapes, self._in_dtypes, in_dims)]
+        in_pl = [_shift(pl, self.mesh) if d is not None else pl
+                 for pl, d in zip(self.in_placements, in_dims)]
+        boundary = Boundary(
+            in_placements=in_pl, in_axes=self.in_axes,
+            describe=lambda outs: [
+                (_shift(self.out_placements[j], self.mesh), self.out_axes[j],
+                 (size, *self.out_shapes[j]), f"{self.name} (vmap) output {j}")
+                for j in range(len(outs))],
+        )
+        region = trace_region(body, in_metas, boundary, self.mesh, f"{self.name} (vmap)",
+                              self.check_vma)
+        self._vjps[key] = region
+        return region
+
     @property
     def _in_dtypes(self):
         return [n.meta["val"].dtype for n in self.graph_module.graph.nodes if n.op == "placeholder"]
@@ -147,6 +182,13 @@ class Region(torch.nn.Module):
         spec = from_placements(self.in_placements[i], self.mesh, len(local))
         return tuple(s * math.prod(self.mesh.size(a) for a in _axes_of(spec, d))
                      for d, s in enumerate(local))
+
+
+def _shift(placements, mesh) -> tuple:
+    """Placements of a tensor that got a new leading (batch) dim."""
+    from torch.distributed.tensor import Shard
+
+    return tuple(Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements)
 
 
 def _axes_of(spec, d):
@@ -422,6 +464,17 @@ class RegionFn(torch.autograd.Function):
         for i, g in zip(vjp.diff_in, grads):
             result[i] = g
         return (None, *result)
+
+
+def _region_vmap(info, in_dims, key, *inputs):
+    """torch.func.vmap over a region: one batched region (batch dims moved first)."""
+    batched = lookup(key).batched(in_dims[1:], info.batch_size)
+    moved = [x.movedim(d, 0) if d is not None else x for x, d in zip(inputs, in_dims[1:])]
+    outs = RegionFn.apply(register(batched), *moved)
+    return tuple(outs), (0,) * len(outs)
+
+
+RegionFn.vmap = staticmethod(_region_vmap)
 
 
 def call(region: Region, inputs: Sequence[torch.Tensor]) -> list:
