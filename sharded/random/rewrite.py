@@ -315,6 +315,7 @@ def rewrite_random_ops(gm: fx.GraphModule, api: str) -> int:
         g.inserting_before(next(iter(g.nodes)))
     with anchor:
         seed = g.placeholder("rng_seed")
+    with g.inserting_after(seed):     # (each insertion after one anchor lands before the last)
         offset = g.placeholder("rng_offset")
     device = placeholders[0].meta["val"].device if placeholders else torch.device("cpu")
     for meta_node in (seed, offset):
