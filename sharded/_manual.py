@@ -72,8 +72,8 @@ class ManualContext:
     def local_value(self, x):
         """``x`` as the body may use it: DTensors are an error, a traced value of the
         enclosing program is replaced by its capture (see NOTE [Closures])."""
-        if _torch.is_dtensor(x):
-            raise TypeError(
+        if _torch.is_dtensor(x):   # (not a TypeError: Python turns those into NotImplemented)
+            raise ValueError(
                 f"{self.api}: the body uses a DTensor of shape {tuple(x.shape)}; a shard_map "
                 f"body sees local tensors. Pass it as an argument with an in_spec instead "
                 f"of closing over it."
@@ -82,15 +82,18 @@ class ManualContext:
             return x
         base = _torch.functorch_base(x)
         if _torch.is_fake(base) and _torch.fake_mode_of(base) is not self.fake_mode:
-            return self.capture(x)
+            return self.capture(x, base)
         return x
 
-    def capture(self, x):
-        entry = self.captures.get(id(x))
+    def capture(self, x, base):
+        """The stand-in for a traced value of the enclosing program (keyed by the
+        tensor under any torch.func wrapper: a transform inside the body wraps it
+        anew each time)."""
+        entry = self.captures.get(id(base))
         if entry is None:
             with untracked():
                 stand_in = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            entry = self.captures[id(x)] = (x, stand_in)
+            entry = self.captures[id(base)] = (x, stand_in)
             self.new_captures.append(x)
         return entry[1]
 
@@ -242,6 +245,11 @@ class _VmaDispatchMode(_torch.dispatch_mode_base()):
         kwargs = kwargs or {}
         if _raw():
             return func(*args, **kwargs)
+        if not self.ctx.eager:       # captures that a transform in the body wrapped
+            flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+            local = [self.ctx.local_value(x) if isinstance(x, torch.Tensor) else x for x in flat]
+            if any(a is not b for a, b in zip(local, flat)):
+                args, kwargs = optree.tree_unflatten(spec, local)
         rule = VMA_RULES.get(func)
         if rule is not None:
             out = func(*args, **kwargs)

@@ -96,6 +96,12 @@ class Region(torch.nn.Module):
         partitioner's make_fx, the ops land in the local program)."""
         return _Lowering(self.graph_module, self.mesh).run(*local_inputs)
 
+    def dead_outputs(self) -> list:
+        """Placeholders for the outputs of a region whose results nothing reads (the
+        forward of a vjp whose primal outputs are dropped): no collectives for them."""
+        return [torch.empty(s, dtype=d, device=self.device)
+                for s, d in zip(self.out_local_shapes, self.out_dtypes)]
+
     # -- the backward -------------------------------------------------------------------
     def vjp(self, needed: Sequence[int]) -> "Region":
         """The region computing the cotangents of the inputs ``needed`` (floating-point
@@ -263,7 +269,7 @@ def trace_region(fn: Callable, in_metas, boundary: Boundary, mesh, name: str,
         device = torch.device(mesh.device_type) if mesh.device_type != "cuda" else \
             torch.device("cuda", torch.cuda.current_device())
         captured: list = []
-        while True:
+        for _attempt in range(3):      # a second pass only if the body closes over traced values
             with fake_mode:
                 fakes = [torch.empty(s, dtype=d, device=device) for s, d in in_metas]
                 caps = [torch.empty(c.shape, dtype=c.dtype, device=c.device) for c in captured]
@@ -275,7 +281,11 @@ def trace_region(fn: Callable, in_metas, boundary: Boundary, mesh, name: str,
             if not info["new_captures"]:
                 break
             captured = captured + info["new_captures"]
+        else:
+            raise RuntimeError(f"{name}: the values the body closes over changed between traces.")
         gm = _functionalize(gm, [*fakes, *caps, state], name)
+        gm.graph.eliminate_dead_code()     # e.g. a vjp's recomputed forward outputs
+        gm.recompile()
         n_draws = info["n_draws"]
         if not n_draws:
             _drop_last_placeholder(gm)
@@ -305,7 +315,7 @@ def _traced_body(fn, n_in, captured, boundary, mesh, name, check_vma, fake_mode,
         ctx = ManualContext(mesh, check_vma, name, eager=False, fake_mode=fake_mode,
                             rng_state=state)
         for outer, stand_in in zip(captured, caps):
-            ctx.captures[id(outer)] = (outer, stand_in)
+            ctx.captures[id(_torch.functorch_base(outer))] = (outer, stand_in)
         with manual_region(ctx):
             for x, axes in zip(ins, boundary.in_axes):
                 set_vma(x, axes)

@@ -48,7 +48,7 @@ from sharded import _manual, _torch
 from sharded._manual import VMA_RULES, set_vma, varying_to, vma_of
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
-           "all_to_all", "axis_index", "axis_size", "pvary"]
+           "all_to_all", "axis_index", "axis_size", "pvary", "varying_axes"]
 
 _F = _torch.c10d_functional
 
@@ -777,6 +777,13 @@ def axis_index(axis: str | Sequence[str]) -> Tensor:
     them taken together, the first major): an int64 scalar that varies over them."""
     axes = _axes("axis_index", axis)
     return AXIS_INDEX(_key(axes), _mesh_device(_manual.current("axis_index").mesh))
+
+
+def varying_axes(x: Tensor) -> frozenset:
+    """The mesh axes ``x`` may vary over in this shard_map body (JAX's
+    ``jax.typeof(x).vma``); empty: the same on every rank."""
+    _manual.current("varying_axes")
+    return vma_of(x)
 
 
 def axis_size(axis: str | Sequence[str]) -> int:
