@@ -229,7 +229,9 @@ def varying_to(x, axes: frozenset):
     from sharded.collectives import pvary
 
     missing = axes - vma_of(x)
-    return pvary(x, tuple(missing)) if missing else x
+    # in mesh order: a set's order differs between processes (string hashing), and the
+    # ranks must build the same program
+    return pvary(x, _ordered(active().mesh, missing)) if missing else x
 
 
 # -- the dispatch-level tracker ----------------------------------------------------------
@@ -355,9 +357,9 @@ def _pvary_in_place(dst, union: frozenset) -> None:
         return
     missing = union - vma_of(dst)
     if missing:
-        from sharded.collectives import pvary
+        from sharded.collectives import pvary_
 
-        dst.copy_(pvary(dst, tuple(missing)))
+        pvary_(dst, _ordered(active().mesh, missing))
 
 
 def _is_sharded_op(func) -> bool:

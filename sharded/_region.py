@@ -476,6 +476,16 @@ class RegionFn(torch.autograd.Function):
         return (None, *result)
 
 
+def _region_jvp(ctx, *tangents):
+    raise NotImplementedError(
+        f"{lookup(ctx.key).name}: forward-mode differentiation (torch.func.jvp, jacfwd) "
+        f"through a shard_map is not supported; use reverse mode (grad, vjp, jacrev)."
+    )
+
+
+RegionFn.jvp = staticmethod(_region_jvp)
+
+
 def _region_vmap(info, in_dims, key, *inputs):
     """torch.func.vmap over a region: one batched region (batch dims moved first)."""
     batched = lookup(key).batched(in_dims[1:], info.batch_size)

@@ -227,6 +227,32 @@ class _Unvary(torch.autograd.Function):
         return _PVary.apply(ct, ctx.axes) / ctx.n, None, None
 
 
+class _PVaryInPlace(torch.autograd.Function):
+    """pvary of a tensor an in-place op is about to make vary (see
+    _manual._pvary_in_place): marks it varying in place; the transpose is psum. (A
+    copy into it would send autograd's zero cotangent for the old value, typed like
+    the varying new one, into an invariant gradient.)"""
+
+    @staticmethod
+    def forward(x, axes):
+        set_vma(x, vma_of(x) | set(_unkey(axes)))
+        return x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.axes = inputs[1]
+        ctx.mark_dirty(inputs[0])
+
+    @staticmethod
+    def backward(ctx, ct):
+        return _PSum.apply(ct, ctx.axes), None
+
+
+def pvary_(x: Tensor, axes) -> Tensor:
+    """In-place pvary (internal: before an in-place op with a more varying operand)."""
+    return _PVaryInPlace.apply(x, _key(axes))
+
+
 def pvary(x: Tensor, axes) -> Tensor:
     """Mark ``x`` as varying over ``axes`` (a name or a tuple of names): an identity
     whose transpose is psum. Axes ``x`` already varies over are left as they are."""
