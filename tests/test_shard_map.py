@@ -339,6 +339,20 @@ def _issue_regressions(ws):
         grad = pjit(torch.func.grad(lambda w: f(w).sum()), in_specs=P(), mesh=mesh)(w)
         torch.testing.assert_close(gather(grad), c)
 
+    # check_vma=False: an output typed varying that is in fact the same on every rank
+    # (the user vouches) has the gradient of one value, not of ws copies
+    f = shard_map(lambda w, x: w * (1 + (x - x).sum()), mesh=mesh, in_specs=(P(), P("dp")),
+                  out_specs=P(), check_vma=False)
+    grad = pjit(torch.func.grad(lambda w, x: f(w, x).sum()), in_specs=(P(), P("dp")), mesh=mesh)(w, x)
+    torch.testing.assert_close(gather(grad), torch.ones(3))
+
+    # pmax/pmin split the gradient among tied ranks, as torch.amax splits it
+    tied = torch.tensor([1.0, 5.0, 2.0]).repeat(ws)
+    mx = shard_map(lambda t: C.pmax(t, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    grad = pjit(torch.func.grad(lambda t: (mx(t) * torch.arange(3.0)).sum()), in_specs=P("dp"), mesh=mesh)(tied)
+    torch.testing.assert_close(gather(grad), torch.func.grad(
+        lambda t: (t.reshape(ws, 3).amax(0) * torch.arange(3.0)).sum())(tied))
+
     # 3. in-place ops update the destination's varying axes ...
     def acc_body(x):
         acc = torch.zeros(3)
