@@ -341,11 +341,12 @@ def _as_tensor(o, name, i, fake_mode):
     )
 
 
-def finish_outputs(outs, layouts, mesh, check_vma: bool) -> list:
+def finish_outputs(outs, layouts, mesh, check_vma: bool, cast: bool = True) -> list:
     """Check each output's varying axes against its spec and make them equal: the
     implicit pvary at the output (an out_spec naming an axis the value does not vary
     over: its transpose sums the cotangents), or, with check_vma=False, the user's
-    word that the value is the same along the axes its spec does not name."""
+    word that the value is the same along the axes its spec does not name. (Eagerly
+    the casts, identities for the values, are skipped: ``cast=False``.)"""
     done = []
     for o, (placements, allowed, shape, path) in zip(outs, layouts):
         extra = vma_of(o) - allowed
@@ -358,9 +359,10 @@ def finish_outputs(outs, layouts, mesh, check_vma: bool) -> list:
                     f"{axis!r}. Reduce it (psum/pmean/all_gather over {axis!r}) or add "
                     f"{axis!r} to its spec. (check_vma=False skips this check.)"
                 )
-            o = C.unvary(o, _manual._ordered(mesh, extra)) if differentiable(o) else o
+            if cast and differentiable(o):
+                o = C.unvary(o, _manual._ordered(mesh, extra))
         missing = allowed - vma_of(o)
-        if missing and differentiable(o):
+        if cast and missing and differentiable(o):
             o = C.pvary(o, _manual._ordered(mesh, missing))
         done.append(o)
     return done

@@ -158,6 +158,25 @@ def _register(op, lower, vma_rule, vmap_rule=None):
         torch.library.register_vmap(op, vmap_rule)
 
 
+def _linear(name: str, op, transpose):
+    """The autograd.Function of a linear primitive (JAX's ``deflinear2``): the forward
+    is ``op(x, *params)``; the backward is ``transpose(ct, *params)``. Usable under
+    torch.func.grad/vjp (setup_context) and vmap (the op's vmap rule)."""
+    def forward(x, *params):
+        return op(x, *params)
+
+    def setup_context(ctx, inputs, output):
+        ctx.params = inputs[1:]
+
+    def backward(ctx, ct):
+        return (transpose(ct, *ctx.params), *([None] * len(ctx.params)))
+
+    return type(name, (torch.autograd.Function,), {
+        "generate_vmap_rule": True, "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup_context), "backward": staticmethod(backward),
+    })
+
+
 def _with(args, kwargs):
     return vma_of(args[0]) | set(_unkey(args[1]))
 
@@ -208,23 +227,10 @@ class _PVary(torch.autograd.Function):
         return _PSum.apply(ct, ctx.axes), None
 
 
-class _Unvary(torch.autograd.Function):
-    """check_vma=False outputs: the user vouches that ``x`` is the same on every rank
-    along ``axes``. Identity; the transpose is that of pmean of equal values."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, axes, n):
-        return UNVARY(x, axes)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.axes, ctx.n = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, ct):
-        return _PVary.apply(ct, ctx.axes) / ctx.n, None, None
+# check_vma=False outputs: the user vouches that x is the same on every rank along the
+# axes. Identity; the transpose is that of a mean of equal values: pvary(ct) / size.
+_Unvary = _linear("_Unvary", lambda x, axes, n: UNVARY(x, axes),
+                  lambda ct, axes, n: _PVary.apply(ct, axes) / n)
 
 
 class _PVaryInPlace(torch.autograd.Function):
@@ -295,20 +301,7 @@ PMAX = _reduce_op("pmax", "max")
 PMIN = _reduce_op("pmin", "min")
 
 
-class _PSum(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, axes):
-        return PSUM(x, axes)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.axes = inputs[1]
-
-    @staticmethod
-    def backward(ctx, ct):
-        return _PVary.apply(ct, ctx.axes), None
+_PSum = _linear("_PSum", PSUM, lambda ct, axes: _PVary.apply(ct, axes))
 
 
 class _PExtreme(torch.autograd.Function):
@@ -405,13 +398,7 @@ def _lower_psum_scatter(mesh, x, axes, dim, tiled, n):
     return y if tiled else y.squeeze(dim)
 
 
-@torch.library.custom_op("sharded::all_gather", mutates_args=())
-def _all_gather_op(x: Tensor, axes: str, dim: int, tiled: bool, n: int) -> Tensor:
-    return _eager("all_gather", _lower_all_gather, x, axes, dim, tiled, n)
-
-
-@_all_gather_op.register_fake
-def _(x, axes, dim, tiled, n):
+def _gathered_shape(x, axes, dim, tiled, n):
     shape = list(x.shape)
     if tiled:
         shape[dim] *= n
@@ -420,19 +407,23 @@ def _(x, axes, dim, tiled, n):
     return x.new_empty(shape)
 
 
-@torch.library.custom_op("sharded::axis_block", mutates_args=())
-def _block_op(x: Tensor, axes: str, dim: int, tiled: bool, n: int) -> Tensor:
-    return _eager("all_gather", _lower_block, x, axes, dim, tiled, n)
-
-
-@_block_op.register_fake
-def _(x, axes, dim, tiled, n):
+def _block_shape(x, axes, dim, tiled, n):
     shape = list(x.shape)
     if tiled:
         shape[dim] //= n
     else:
         del shape[dim]
     return x.new_empty(shape)
+
+
+@torch.library.custom_op("sharded::all_gather", mutates_args=())
+def _all_gather_op(x: Tensor, axes: str, dim: int, tiled: bool, n: int) -> Tensor:
+    return _eager("all_gather", _lower_all_gather, x, axes, dim, tiled, n)
+
+
+@torch.library.custom_op("sharded::axis_block", mutates_args=())
+def _block_op(x: Tensor, axes: str, dim: int, tiled: bool, n: int) -> Tensor:
+    return _eager("all_gather", _lower_block, x, axes, dim, tiled, n)
 
 
 @torch.library.custom_op("sharded::psum_scatter", mutates_args=())
@@ -440,16 +431,9 @@ def _psum_scatter_op(x: Tensor, axes: str, dim: int, tiled: bool, n: int) -> Ten
     return _eager("psum_scatter", _lower_psum_scatter, x, axes, dim, tiled, n)
 
 
-@_psum_scatter_op.register_fake
-def _(x, axes, dim, tiled, n):
-    shape = list(x.shape)
-    if tiled:
-        shape[dim] //= n
-    else:
-        del shape[dim]
-    return x.new_empty(shape)
-
-
+_all_gather_op.register_fake(_gathered_shape)
+_block_op.register_fake(_block_shape)
+_psum_scatter_op.register_fake(_block_shape)
 ALL_GATHER = torch.ops.sharded.all_gather.default
 AXIS_BLOCK = torch.ops.sharded.axis_block.default
 PSUM_SCATTER = torch.ops.sharded.psum_scatter.default
@@ -458,55 +442,12 @@ _register(AXIS_BLOCK, _lower_block, _with, _dims_vmap(AXIS_BLOCK, 1))
 _register(PSUM_SCATTER, _lower_psum_scatter, _with, _dims_vmap(PSUM_SCATTER, 1))
 
 
-class _AllGather(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, axes, dim, tiled, n):
-        return ALL_GATHER(x, axes, dim, tiled, n)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, ct):
-        return _Block.apply(ct, *ctx.args), None, None, None, None
-
-
-class _Block(torch.autograd.Function):
-    """This rank's block of an invariant value (the transpose of all_gather)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, axes, dim, tiled, n):
-        return AXIS_BLOCK(x, axes, dim, tiled, n)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, ct):
-        return _AllGather.apply(ct, *ctx.args), None, None, None, None
-
-
-class _PsumScatter(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, axes, dim, tiled, n):
-        return PSUM_SCATTER(x, axes, dim, tiled, n)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, ct):
-        # every rank's x fed every block of the sum: the gathered cotangent, varying
-        return _PVary.apply(_AllGather.apply(ct, *ctx.args), ctx.args[0]), None, None, None, None
+_AllGather = _linear("_AllGather", ALL_GATHER, lambda ct, *params: _Block.apply(ct, *params))
+# this rank's block of an invariant value (all_gather's transpose), and back
+_Block = _linear("_Block", AXIS_BLOCK, lambda ct, *params: _AllGather.apply(ct, *params))
+# every rank's x fed every block of the sum: the gathered cotangent, varying
+_PsumScatter = _linear("_PsumScatter", PSUM_SCATTER,
+                       lambda ct, *params: _PVary.apply(_AllGather.apply(ct, *params), params[0]))
 
 
 def all_gather(x: Tensor, axis: str | Sequence[str], *, dim: int = 0, tiled: bool = False) -> Tensor:
@@ -531,19 +472,22 @@ def psum_scatter(x: Tensor, axis: str | Sequence[str], *, dim: int = 0, tiled: b
     dim = dim % x.ndim
     n = _size(mesh, axes)
     label = _axes_label(axes, n)
-    if x.shape[dim] % n:
-        raise ValueError(
-            f"psum_scatter: dim {dim} of x (shape {tuple(x.shape)}) must divide by the "
-            f"size of {label}."
-        )
-    if not tiled and x.shape[dim] != n:
-        raise ValueError(
-            f"psum_scatter without tiled needs dim {dim} of x (shape {tuple(x.shape)}) "
-            f"to equal the size of {label}; pass tiled=True to keep a block instead."
-        )
+    _check_split("psum_scatter", f"dim {dim}", x, dim, n, label, tiled,
+                 "; pass tiled=True to keep a block instead")
     if not axes:
         return x if tiled else x.squeeze(dim)
     return _PsumScatter.apply(varying_to(x, frozenset(axes)), _key(axes), dim, tiled, n)
+
+
+def _check_split(api, what, x, dim, n, label, tiled, hint):
+    """``x``'s dim ``dim`` splits into one block per rank (tiled) or has one entry per
+    rank (untiled)."""
+    if x.shape[dim] % n:
+        raise ValueError(f"{api}: {what} of x (shape {tuple(x.shape)}) must divide by the "
+                         f"size of {label}.")
+    if not tiled and x.shape[dim] != n:
+        raise ValueError(f"{api} without tiled needs {what} of x (shape {tuple(x.shape)}) "
+                         f"to equal the size of {label}{hint}.")
 
 
 def _axes_label(axes, n) -> str:
@@ -613,21 +557,8 @@ ALL_TO_ALL = torch.ops.sharded.all_to_all.default
 _register(ALL_TO_ALL, _lower_all_to_all, _with, _dims_vmap(ALL_TO_ALL, 2))
 
 
-class _AllToAll(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, axes, split_dim, concat_dim, tiled, n):
-        return ALL_TO_ALL(x, axes, split_dim, concat_dim, tiled, n)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.axes, ctx.split, ctx.concat, ctx.tiled, ctx.n = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, ct):
-        return (_AllToAll.apply(ct, ctx.axes, ctx.concat, ctx.split, ctx.tiled, ctx.n),
-                None, None, None, None, None)
+_AllToAll = _linear("_AllToAll", ALL_TO_ALL, lambda ct, axes, split_dim, concat_dim, tiled, n:
+                    _AllToAll.apply(ct, axes, concat_dim, split_dim, tiled, n))
 
 
 def all_to_all(x: Tensor, axis: str | Sequence[str], split_dim: int, concat_dim: int, *,
@@ -645,16 +576,7 @@ def all_to_all(x: Tensor, axis: str | Sequence[str], split_dim: int, concat_dim:
     split_dim = split_dim % x.ndim
     concat_dim = concat_dim % (x.ndim if tiled else x.ndim)
     label = _axes_label(axes, n)
-    if tiled and x.shape[split_dim] % n:
-        raise ValueError(
-            f"all_to_all: split dim {split_dim} of x (shape {tuple(x.shape)}) must divide "
-            f"by the size of {label}."
-        )
-    if not tiled and x.shape[split_dim] != n:
-        raise ValueError(
-            f"all_to_all without tiled needs split dim {split_dim} of x (shape "
-            f"{tuple(x.shape)}) to equal the size of {label}."
-        )
+    _check_split("all_to_all", f"split dim {split_dim}", x, split_dim, n, label, tiled, "")
     if not axes:
         return x if tiled else x.squeeze(split_dim).unsqueeze(concat_dim)
     return _AllToAll.apply(varying_to(x, frozenset(axes)), _key(axes), split_dim, concat_dim,
@@ -739,21 +661,12 @@ PPERMUTE = torch.ops.sharded.ppermute.default
 _register(PPERMUTE, _lower_ppermute, _with, _elementwise_vmap(PPERMUTE))
 
 
-class _PPermute(torch.autograd.Function):
-    generate_vmap_rule = True
+def _inverse(perm: list) -> list:
+    return [v for s, d in zip(perm[::2], perm[1::2]) for v in (d, s)]
 
-    @staticmethod
-    def forward(x, axes, perm):
-        return PPERMUTE(x, axes, perm)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.axes, perm = inputs[1], inputs[2]
-        ctx.inverse = [v for s, d in zip(perm[::2], perm[1::2]) for v in (d, s)]
-
-    @staticmethod
-    def backward(ctx, ct):
-        return _PPermute.apply(ct, ctx.axes, ctx.inverse), None, None
+_PPermute = _linear("_PPermute", PPERMUTE,
+                    lambda ct, axes, perm: _PPermute.apply(ct, axes, _inverse(perm)))
 
 
 def ppermute(x: Tensor, axis: str | Sequence[str], perm: Sequence[tuple[int, int]]) -> Tensor:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from sharded import _manual, _region, _torch, _tree
 from sharded.mesh import Mesh, current_mesh
+from sharded.modes._expand import contiguous_strides
 from sharded.random.rewrite import RNG_STATE_OP
 from sharded.spec import P, axes_of_dim, check_spec, local_shape, local_slice, to_placements
 from transforms._trace import in_global_trace
@@ -183,18 +184,11 @@ class ShardMap:
             outs = [_region._as_tensor(o, self.name, i, None)
                     for i, o in enumerate(self._flat_body(leaves, treedef, out_info)(*local))]
             layouts = describe(outs)
-            _region.finish_outputs(outs, layouts, mesh, self.check_vma)
+            _region.finish_outputs(outs, layouts, mesh, self.check_vma, cast=False)
         result = [
             DTensor.from_local(o.detach().contiguous(), dm, placements, run_check=False,
-                               shape=torch.Size(shape), stride=_contiguous_strides(shape))
+                               shape=torch.Size(shape), stride=contiguous_strides(shape))
             for o, (placements, _, shape, _) in zip(outs, layouts)
         ]
         return _tree.unflatten(out_info["treedef"], result)
 
-
-def _contiguous_strides(shape) -> tuple:
-    strides, acc = [], 1
-    for size in reversed(tuple(shape)):
-        strides.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(strides))
