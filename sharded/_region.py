@@ -50,6 +50,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from sharded import _manual, _torch, collectives as C
 from sharded._manual import ManualContext, differentiable, manual_region, set_vma, vma_of
+from sharded.spec import P, axes_of_dim, from_placements, to_placements
 
 _STATE = threading.local()
 _LIVE: "weakref.WeakValueDictionary[str, Region]" = weakref.WeakValueDictionary()
@@ -80,7 +81,7 @@ class Region(torch.nn.Module):
         self.n_draws = n_draws
         self.key = f"shard_map_{next(_COUNTER)}"
         self.device = torch.device(mesh.device_type)
-        self._vjps: dict = {}
+        self._derived: dict = {}
 
     def extra_repr(self):
         return f"{self.name}, key={self.key!r}"
@@ -108,8 +109,8 @@ class Region(torch.nn.Module):
         ones) from the inputs and the cotangents of the floating-point outputs."""
         diff_in = [i for i in needed if _is_diff(self._in_dtypes[i])]
         key = tuple(diff_in)
-        if key in self._vjps:
-            return self._vjps[key]
+        if key in self._derived:
+            return self._derived[key]
         n_in = len(self.in_shapes)
         diff_out = [j for j, d in enumerate(self.out_dtypes) if _is_diff(d)]
         fwd = self
@@ -139,7 +140,7 @@ class Region(torch.nn.Module):
         vjp = trace_region(body, in_metas, boundary, self.mesh, f"{self.name} (vjp)",
                            self.check_vma)
         vjp.diff_in, vjp.diff_out = diff_in, diff_out
-        self._vjps[key] = vjp
+        self._derived[key] = vjp
         return vjp
 
     # -- vmap ----------------------------------------------------------------------
@@ -147,8 +148,8 @@ class Region(torch.nn.Module):
         """The region applied to a batch: inputs with a dim in ``in_dims`` carry the
         batch in dim 0 (never split over the mesh), as do all the outputs."""
         key = ("vmap", tuple(in_dims), size)
-        if key in self._vjps:
-            return self._vjps[key]
+        if key in self._derived:
+            return self._derived[key]
         if self.n_draws:
             raise NotImplementedError(
                 f"{self.name}: torch.func.vmap over a shard_map whose body draws random "
@@ -174,7 +175,7 @@ class Region(torch.nn.Module):
         )
         region = trace_region(body, in_metas, boundary, self.mesh, f"{self.name} (vmap)",
                               self.check_vma)
-        self._vjps[key] = region
+        self._derived[key] = region
         return region
 
     @property
@@ -182,11 +183,9 @@ class Region(torch.nn.Module):
         return [n.meta["val"].dtype for n in self.graph_module.graph.nodes if n.op == "placeholder"]
 
     def _in_global_shape(self, i) -> tuple:
-        from sharded.spec import from_placements
-
         local = self.in_shapes[i]
         spec = from_placements(self.in_placements[i], self.mesh, len(local))
-        return tuple(s * math.prod(self.mesh.size(a) for a in _axes_of(spec, d))
+        return tuple(s * math.prod(self.mesh.size(a) for a in axes_of_dim(spec, d))
                      for d, s in enumerate(local))
 
 
@@ -195,12 +194,6 @@ def _shift(placements, mesh) -> tuple:
     from torch.distributed.tensor import Shard
 
     return tuple(Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements)
-
-
-def _axes_of(spec, d):
-    from sharded.spec import axes_of_dim
-
-    return axes_of_dim(spec, d)
 
 
 def _is_diff(dtype) -> bool:
@@ -266,8 +259,7 @@ def trace_region(fn: Callable, in_metas, boundary: Boundary, mesh, name: str,
     torch.func transform around the call."""
     with _torch.suspend_dispatch_modes(), _torch.clear_functorch_stack():
         fake_mode = _torch.new_fake_mode()
-        device = torch.device(mesh.device_type) if mesh.device_type != "cuda" else \
-            torch.device("cuda", torch.cuda.current_device())
+        device = C._mesh_device(mesh)
         captured: list = []
         for _attempt in range(3):      # a second pass only if the body closes over traced values
             with fake_mode:
@@ -290,9 +282,6 @@ def trace_region(fn: Callable, in_metas, boundary: Boundary, mesh, name: str,
         if not n_draws:
             _drop_last_placeholder(gm)
     outs = info["outs"]
-    from sharded.spec import to_placements
-    from sharded.spec import P
-
     cap_pl = [to_placements(P(), mesh)] * len(captured)
     state_pl = [to_placements(P(), mesh)] if n_draws else []
     region = Region(
@@ -319,7 +308,7 @@ def _traced_body(fn, n_in, captured, boundary, mesh, name, check_vma, fake_mode,
         with manual_region(ctx):
             for x, axes in zip(ins, boundary.in_axes):
                 set_vma(x, axes)
-            outs = [_as_tensor(o, name, i, fake_mode) for i, o in enumerate(fn(*ins))]
+            outs = [_as_tensor(o, name, i) for i, o in enumerate(fn(*ins))]
             layouts = boundary.describe(outs)
             outs = finish_outputs(outs, layouts, mesh, check_vma)
         info.update(outs=layouts, new_captures=ctx.new_captures, n_draws=ctx.n_draws,
@@ -330,7 +319,7 @@ def _traced_body(fn, n_in, captured, boundary, mesh, name, check_vma, fake_mode,
     return traced
 
 
-def _as_tensor(o, name, i, fake_mode):
+def _as_tensor(o, name: str, i: int):
     if isinstance(o, torch.Tensor):
         return o
     if isinstance(o, (bool, int, float)):     # a Python number: the same on every rank

@@ -181,7 +181,7 @@ class ShardMap:
         with _manual.manual_region(ctx):
             for t, (_, spec) in zip(local, tensors):
                 _manual.set_vma(t, spec.axes())
-            outs = [_region._as_tensor(o, self.name, i, None)
+            outs = [_region._as_tensor(o, self.name, i)
                     for i, o in enumerate(self._flat_body(leaves, treedef, out_info)(*local))]
             layouts = describe(outs)
             _region.finish_outputs(outs, layouts, mesh, self.check_vma, cast=False)
