@@ -55,3 +55,108 @@ def train_step_reduced_grads(params, opt_state, ids, targets, cfg, lr: float = 1
     grads = optree.tree_map(lambda g: with_sharding_constraint(g, P()), grads)
     params, opt_state = optim.adamw(params, grads, opt_state, lr=lr)
     return params, opt_state, loss
+
+
+# -- block-structured modules (fully_shard wraps each block, as FSDP2 users do) -------------
+
+class _Block(nn.Module):
+    """One transformer block of ``gpt.forward`` (same math), its params as attributes."""
+
+    def __init__(self, blk: dict, cfg: gpt.GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.ln1_w, self.ln1_b = nn.Parameter(blk["ln1_w"].clone()), nn.Parameter(blk["ln1_b"].clone())
+        self.ln2_w, self.ln2_b = nn.Parameter(blk["ln2_w"].clone()), nn.Parameter(blk["ln2_b"].clone())
+        self.attn = nn.ParameterDict({k: nn.Parameter(v.clone()) for k, v in blk["attn"].items()})
+        self.mlp = nn.ParameterDict({k: nn.Parameter(v.clone()) for k, v in blk["mlp"].items()})
+
+    def forward(self, x):
+        d = self.cfg.d_model
+        x = x + gpt._attention(dict(self.attn), F.layer_norm(x, (d,), self.ln1_w, self.ln1_b), self.cfg)
+        return x + gpt._mlp(dict(self.mlp), F.layer_norm(x, (d,), self.ln2_w, self.ln2_b))
+
+
+class GPTBlocks(nn.Module):
+    """``gpt.forward`` as an nn.Module with one submodule per block (for FSDP2)."""
+
+    def __init__(self, params: dict, cfg: gpt.GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte, self.wpe = nn.Parameter(params["wte"].clone()), nn.Parameter(params["wpe"].clone())
+        self.lnf_w, self.lnf_b = nn.Parameter(params["lnf_w"].clone()), nn.Parameter(params["lnf_b"].clone())
+        self.blocks = nn.ModuleList([_Block(b, cfg) for b in params["blocks"]])
+
+    def forward(self, ids):
+        x = F.embedding(ids, self.wte) + self.wpe[: ids.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        x = F.layer_norm(x, (self.cfg.d_model,), self.lnf_w, self.lnf_b)
+        return x @ self.wte.T
+
+
+# -- an MLP, functional and as a module --------------------------------------------------------
+
+def mlp_init(width: int, layers: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"layers": [{"w": torch.randn(width, width, generator=g) / width ** 0.5,
+                        "b": torch.zeros(width)} for _ in range(layers)]}
+
+
+def mlp_forward(params, x):
+    for i, layer in enumerate(params["layers"]):
+        x = F.linear(x, layer["w"], layer["b"])
+        if i < len(params["layers"]) - 1:
+            x = F.gelu(x)
+    return x
+
+
+def mlp_loss(params, x, y):
+    return F.mse_loss(mlp_forward(params, x), y)
+
+
+def mlp_train_step(params, opt_state, x, y, lr: float = 1e-3):
+    grads, loss = torch.func.grad_and_value(mlp_loss)(params, x, y)
+    params, opt_state = optim.adamw(params, grads, opt_state, lr=lr)
+    return params, opt_state, loss
+
+
+class MLPModule(nn.Module):
+    def __init__(self, params: dict):
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for layer in params["layers"]:
+            lin = nn.Linear(*layer["w"].shape[::-1])
+            lin.weight.data.copy_(layer["w"])
+            lin.bias.data.copy_(layer["b"])
+            self.layers.append(lin)
+
+    def forward(self, x):
+        for i, lin in enumerate(self.layers):
+            x = lin(x)
+            if i < len(self.layers) - 1:
+                x = F.gelu(x)
+        return x
+
+
+# -- peak memory ---------------------------------------------------------------------------------
+
+def peak_allocated_bytes(fn) -> int:
+    """The peak of the bytes that ``fn`` has allocated and not yet freed (CPU tensors),
+    read from the profiler's allocation events (a private profiler API; benchmark
+    code only)."""
+    from torch._C._profiler import _EventType
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        fn()
+    allocs, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.typed[0] == _EventType.Allocation:
+            allocs.append((e.start_time_ns, e.typed[1].alloc_size))
+        stack.extend(e.children)
+    live = peak = 0
+    for _, nbytes in sorted(allocs):
+        live += nbytes
+        peak = max(peak, live)
+    return peak

@@ -117,6 +117,11 @@ def functorch_level() -> int:
     return 0 if level is None else level
 
 
+def version(t: torch.Tensor) -> int:
+    """The tensor's version counter (bumped by every in-place op on it)."""
+    return t._version
+
+
 def local_tensor(dt: DTensor) -> torch.Tensor:
     """The local shard of a DTensor without going through autograd (hot path)."""
     return dt._local_tensor
@@ -235,3 +240,76 @@ def suspend_dispatch_modes():
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+def planned_redistributions(op, args, kwargs) -> list[tuple[torch.Tensor, tuple, tuple]]:
+    """The input redistributions DTensor will perform before running ``op`` on
+    ``args``: ``(local tensor of the DTensor input, its placements, the placements
+    DTensor moves it to)`` for each input it moves. Empty when it moves none; None when
+    DTensor cannot plan the op here (it decomposes it instead)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.utils import _pytree
+
+    dispatcher = DTensor._op_dispatcher
+    try:
+        info = dispatcher.unwrap_to_op_info(op, args, kwargs)
+        dispatcher.sharding_propagator.propagate(info)
+    except NotImplementedError:
+        return None
+    out = info.output_sharding
+    if out is None or not out.needs_redistribute or out.redistribute_schema is None:
+        return []
+    wanted = out.redistribute_schema.args_schema
+    if info.args_tree_spec is not None:
+        wanted = tuple(_pytree.tree_leaves(wanted))
+    moves = []
+    for i, spec in enumerate(info.flat_args_schema):
+        if isinstance(spec, DTensorSpec) and isinstance(wanted[i], DTensorSpec) and spec != wanted[i]:
+            moves.append((info.local_args[i], tuple(spec.placements), tuple(wanted[i].placements)))
+    return moves
+
+
+# NOTE [User stack traces]
+# make_fx(record_stack_traces=True) keeps only the frames from the first function
+# named ``forward`` on (nn.Module code), so a node traced from a pure function gets
+# no stack trace at all. While pjit traces, the filter keeps the user's frames
+# instead: every frame outside torch, this project's packages and the standard
+# library. Later steps name the user's source line from ``node.meta["stack_trace"]``.
+@contextlib.contextmanager
+def user_stack_traces():
+    import os
+    import sysconfig
+    import traceback
+
+    from torch.fx.proxy import TracerBase
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    internal = tuple(os.path.join(p, "") for p in (
+        os.path.dirname(torch.__file__), here, os.path.join(os.path.dirname(here), "transforms"),
+        sysconfig.get_paths()["stdlib"]))
+
+    def keep_user_frames(self, summary):
+        return traceback.StackSummary.from_list(
+            [f for f in summary if not os.path.abspath(f.filename).startswith(internal)])
+
+    saved = TracerBase._filter_traceback_frames
+    TracerBase._filter_traceback_frames = keep_user_frames
+    try:
+        yield
+    finally:
+        TracerBase._filter_traceback_frames = saved
+
+
+def source_line(node) -> str:
+    """``File "...", line N, in fn`` of the user's code that made ``node``, or ''."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+    return lines[-1] if lines else ""
+
+
+def storage_key(t: torch.Tensor):
+    """An identity for ``t``'s storage (equal for views of one tensor; fake tensors
+    too), for alias analysis of traced graphs."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())

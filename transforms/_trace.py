@@ -4,7 +4,6 @@ only, with torch.func.grad / vmap / einops already resolved."""
 
 from __future__ import annotations
 
-import threading
 from typing import Callable, Sequence
 
 import torch
@@ -12,26 +11,11 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sharded import _region, _torch
+from sharded._trace_state import global_trace as _global_trace, in_global_trace  # noqa: F401
 
 
 class TracingError(RuntimeError):
     """The function cannot be traced into a static program."""
-
-
-_STATE = threading.local()
-
-
-def in_global_trace() -> bool:
-    """True while pjit traces a function into its global (single-device) graph."""
-    return getattr(_STATE, "depth", 0) > 0
-
-
-class _global_trace:
-    def __enter__(self):
-        _STATE.depth = getattr(_STATE, "depth", 0) + 1
-
-    def __exit__(self, *exc):
-        _STATE.depth -= 1
 
 
 def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str) -> fx.GraphModule:
@@ -50,8 +34,9 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str) -> 
         fakes = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device) for m in metas]
     try:
         with _region.region_scope() as regions:   # shard_map bodies, owned by the graph
-            with _global_trace():
-                gm = make_fx(flat_fn, tracing_mode="fake")(*fakes)
+            with _global_trace(), _torch.user_stack_traces():
+                # stack traces: errors in later steps name the user's source line
+                gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True)(*fakes)
             if _has_mutations(gm):
                 gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*fakes)
         regions.attach(gm)

@@ -23,6 +23,9 @@ class Lowered:
         self.mesh = compiled.mesh
         self.in_specs = list(compiled.in_specs)
         self.out_placements = list(compiled.out_placements)
+        # The layout a mode chose for each input and output, where it chooses them
+        # (DataParallelMode: {"inputs": {path: (kind, P)}, "outputs": {...}}).
+        self.layouts = compiled.layouts
 
     def collectives(self):
         return collectives(self.local_graph, self.mesh)

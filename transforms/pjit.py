@@ -19,7 +19,7 @@ from sharded.random.rewrite import rewrite_random_ops
 from sharded.mesh import Mesh, current_mesh
 from sharded.modes import DTensorExpandMode, ParallelMode
 from sharded.passes import fingerprint
-from sharded.spec import P, check_spec, local_slice, to_placements
+from sharded.spec import P, check_spec, from_placements, local_slice, to_placements
 from transforms._trace import in_global_trace, mutated_inputs, trace_global
 from transforms.lowered import Lowered
 
@@ -89,6 +89,7 @@ class Compiled:
     out_treedef: Any
     out_plan: list                       # per output leaf: ("static", value) or ("dtensor", spec)
     out_placements: list                 # per tensor output (for Lowered)
+    layouts: dict | None = None          # the mode's report of the layouts it chose
     n_draws: int = 0                     # random draws per call (counter-based RNG)
     rng_device: Any = None
     digest: str = ""
@@ -264,8 +265,14 @@ class Pjit:
         out_specs = self._out_leaf_specs(out_leaves, out_treedef, mesh)
         n_draws = rewrite_random_ops(global_gm, self.name)
         rng_placements = [to_placements(P(), mesh)] * 2 if n_draws else []  # seed, offset
+        for node, path in zip(global_gm.graph.find_nodes(op="placeholder"),
+                              tensor_paths + ["rng seed", "rng offset"]):
+            node.meta["sharded_path"] = path
         part = self.mode.partition(global_gm, in_placements + rng_placements, out_specs, mesh)
         local_gm = self.mode.transform_and_compile(part.graph, mesh)
+        if part.in_placements is not None:       # the mode laid the inputs out itself
+            in_placements = list(part.in_placements[:len(in_placements)])
+            in_specs = [from_placements(pl, mesh, m.ndim) for pl, m in zip(in_placements, metas)]
 
         out_vals = [n for n in global_gm.graph.nodes if n.op == "output"][0].args[0]
         out_dt_specs = [
@@ -285,7 +292,8 @@ class Pjit:
         return Compiled(
             global_graph=global_gm, local_graph=local_gm, runner=self.mode.runner(local_gm),
             mesh=mesh, in_plan=in_plan, in_specs=in_specs, out_treedef=out_treedef,
-            out_plan=out_plan, out_placements=part.out_placements, n_draws=n_draws,
+            out_plan=out_plan, out_placements=part.out_placements, layouts=part.layouts,
+            n_draws=n_draws,
             rng_device=_mesh_device(mesh) if n_draws else None, digest=digest,
             signature_lines=lines,
         )

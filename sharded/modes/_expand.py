@@ -104,6 +104,7 @@ class Expander(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, mesh, policy: LayoutPolicy, mode_name: str):
         super().__init__(gm)
+        self.extra_traceback = False     # errors name the node themselves
         self.mesh = mesh
         self.policy = policy
         self.mode_name = mode_name

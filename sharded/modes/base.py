@@ -23,7 +23,7 @@ from typing import Sequence
 import torch.fx as fx
 from torch.distributed.tensor import Placement
 
-from sharded.passes import (bucket_all_reduces, cse, dce, remove_identity_views,
+from sharded.passes import (bucket_all_reduces, cse, dce, reinplace_foreach, remove_identity_views,
                             remove_trivial_collectives, sink_waits)
 
 
@@ -33,10 +33,15 @@ class ShardingRuleError(NotImplementedError):
 
 @dataclass
 class Partitioned:
-    """A partitioned program: the local graph and the placements of its outputs."""
+    """A partitioned program: the local graph and the placements of its outputs.
+    A mode that lays out inputs itself (DataParallelMode lays out state) returns the
+    placements it chose in ``in_placements``; ``layouts`` is what ``Lowered.layouts``
+    shows (the mode's report of the layouts it chose)."""
 
     graph: fx.GraphModule
     out_placements: list[tuple[Placement, ...]]
+    in_placements: list[tuple[Placement, ...]] | None = None
+    layouts: dict | None = None
 
 
 class ParallelMode(abc.ABC):
@@ -53,14 +58,17 @@ class ParallelMode(abc.ABC):
         mesh,
     ) -> Partitioned:
         """Expand ``graph`` (placeholders = the global inputs, laid out by
-        ``in_placements``) into this rank's graph. ``out_specs[i]`` is the P the
-        i-th output must have, or None to keep the propagated layout."""
+        ``in_placements``; ``node.meta["sharded_path"]`` names each for messages) into
+        this rank's graph. ``out_specs[i]`` is the P the i-th output must have, or
+        None to keep the propagated layout."""
 
     def transform_and_compile(self, graph: fx.GraphModule, mesh) -> fx.GraphModule:
         """Default passes: drop size-1 collectives and identity views, DCE, CSE,
-        bucket all-reduces, and sink waits so collectives overlap with compute."""
+        bucket all-reduces, sink waits so collectives overlap with compute, and run
+        the optimizer's multi-tensor ops in place where nothing else reads their
+        inputs."""
         graph = cse(dce(remove_identity_views(remove_trivial_collectives(graph))))
-        graph = sink_waits(bucket_all_reduces(graph))
+        graph = reinplace_foreach(sink_waits(bucket_all_reduces(graph)))
         graph.recompile()
         return graph
 

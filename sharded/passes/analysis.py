@@ -22,6 +22,8 @@ class CollectiveCall:
     reduce_op: str | None  # "sum", "avg", ... for reductions
     bytes: int             # the larger of its input and output on this rank
     node: str = ""
+    group_size: int = 1    # ranks taking part
+    wire_bytes: int = 0    # bytes this rank sends with ring algorithms (see cost())
 
     def __str__(self):
         red = f" {self.reduce_op}" if self.reduce_op else ""
@@ -46,6 +48,8 @@ def collectives(gm: fx.GraphModule, mesh=None) -> list[CollectiveCall]:
         group = n.args[-1]
         axis = (mesh.axis_of_group(group) if mesh is not None else None) or group
         reduce_op = n.args[1] if kind in ("all_reduce", "reduce_scatter") else None
+        size = _torch.group_from_name(group).size() if isinstance(group, str) else 1
+        full = max(_nbytes(inp), _nbytes(res))
         out.append(
             CollectiveCall(
                 kind=kind,
@@ -53,25 +57,41 @@ def collectives(gm: fx.GraphModule, mesh=None) -> list[CollectiveCall]:
                 dtype=inp.dtype if inp is not None else None,
                 axis=axis,
                 reduce_op=reduce_op,
-                bytes=max(_nbytes(inp), _nbytes(res)),
+                bytes=full,
                 node=n.name,
+                group_size=size,
+                wire_bytes=int(full * _WIRE.get(kind, lambda k: 1.0)(size)),
             )
         )
     return out
 
 
+# Bytes one rank sends per byte of the full tensor, with ring algorithms over n ranks:
+# an all-gather or a reduce-scatter passes n - 1 blocks of 1/n; an all-reduce is both.
+_WIRE = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+}
+
+
 def cost(gm: fx.GraphModule, mesh=None) -> dict:
-    """Collectives of a local graph by kind: ``{"all_reduce": {"count": 2, "bytes": 512},
-    ..., "total": {"count": .., "bytes": ..}}``. Bytes are per call of the program,
-    on this rank."""
+    """Collectives of a local graph by kind: ``{"all_reduce": {"count": 2, "bytes": 512,
+    "wire_bytes": 256}, ..., "total": {...}}``, per call of the program on this rank.
+    ``bytes`` is the larger of each collective's input and output (the full tensor of
+    an all-gather or reduce-scatter); ``wire_bytes`` what the rank sends with ring
+    algorithms (an all-reduce of B bytes over n ranks sends 2 (n - 1) / n * B)."""
     table: dict[str, dict[str, int]] = {}
-    total = {"count": 0, "bytes": 0}
+    total = {"count": 0, "bytes": 0, "wire_bytes": 0}
     for c in collectives(gm, mesh):
-        row = table.setdefault(c.kind, {"count": 0, "bytes": 0})
+        row = table.setdefault(c.kind, {"count": 0, "bytes": 0, "wire_bytes": 0})
         row["count"] += 1
         row["bytes"] += c.bytes
+        row["wire_bytes"] += c.wire_bytes
         total["count"] += 1
         total["bytes"] += c.bytes
+        total["wire_bytes"] += c.wire_bytes
     table["total"] = total
     return table
 
@@ -85,3 +105,57 @@ def fingerprint(gm: fx.GraphModule, mesh, extra: tuple = ()) -> tuple[str, list[
     lines = [str(x) for x in extra] + [str(c) for c in collectives(gm, mesh)]
     digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
     return digest, lines
+
+
+def memory(gm: fx.GraphModule) -> dict:
+    """A static estimate of this rank's memory while it runs ``gm``: bytes of the
+    inputs (held by the caller throughout), and the peak of live bytes (inputs plus
+    every intermediate from the op that allocates it to its last use, as the
+    generated code frees it; views and in-place ops allocate nothing), with the node
+    where it is reached. ``{"input_bytes", "output_bytes", "peak_bytes", "peak_node"}``."""
+    from sharded._torch import storage_key
+
+    nodes = list(gm.graph.nodes)
+    sizes: dict = {}
+    first: dict = {}
+    last: dict = {}
+    for i, n in enumerate(nodes):
+        vals = n.meta.get("val")
+        for v in vals if isinstance(vals, (list, tuple)) else [vals]:
+            if isinstance(v, torch.Tensor):
+                key = storage_key(v)
+                sizes[key] = v.untyped_storage().nbytes()
+                first.setdefault(key, i)
+                last[key] = i
+        for a in n.all_input_nodes:
+            avals = a.meta.get("val")
+            for v in avals if isinstance(avals, (list, tuple)) else [avals]:
+                if isinstance(v, torch.Tensor):
+                    last[storage_key(v)] = i
+    inputs = {storage_key(n.meta["val"]) for n in nodes
+              if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+    out_node = nodes[-1]
+    outputs = set()
+    for a in out_node.all_input_nodes:
+        avals = a.meta.get("val")
+        for v in avals if isinstance(avals, (list, tuple)) else [avals]:
+            if isinstance(v, torch.Tensor):
+                outputs.add(storage_key(v))
+    for key in inputs | outputs:
+        last[key] = len(nodes)
+    allocs: dict = {}
+    frees: dict = {}
+    for key, i in first.items():
+        if key not in inputs:
+            allocs.setdefault(i, []).append(key)
+            frees.setdefault(last[key], []).append(key)
+    live = sum(sizes[k] for k in inputs)
+    peak, peak_node = live, None
+    for i, n in enumerate(nodes):
+        live += sum(sizes[k] for k in allocs.get(i, ()))
+        if live > peak:
+            peak, peak_node = live, n.name
+        live -= sum(sizes[k] for k in frees.get(i, ()))
+    return {"input_bytes": sum(sizes[k] for k in inputs),
+            "output_bytes": sum(sizes[k] for k in outputs - inputs),
+            "peak_bytes": peak, "peak_node": peak_node}

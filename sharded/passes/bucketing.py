@@ -1,18 +1,43 @@
-"""Communication passes: bucket small all-reduces, and overlap collectives with compute.
+"""Communication passes: bucket collectives, and overlap them with compute.
 
-# NOTE [Bucketing all-reduces]
-A data-parallel step reduces every gradient separately (one all-reduce per parameter).
-Like DDP's buckets, consecutive all-reduces over the same group, op and dtype are
-merged into one on a flattened concatenation, up to ``bucket_bytes``. A bucket may only
-grow while none of its results is needed yet: the merged collective is placed where
-its last member was, so every member's input exists there and every member's consumer
-comes after it. Ranks run the same pass on the same graph shape, so they issue the
-same buckets in the same order.
+# NOTE [Bucketing]
+A data-parallel step reduces every gradient separately (one collective per
+parameter); an FSDP step also gathers every parameter separately. Like DDP's and
+FSDP's buckets, consecutive collectives of one kind over the same group, op and dtype
+are merged into one collective on a flat concatenation, up to ``bucket_bytes`` (one
+open bucket per group, op and dtype: collectives over different groups are
+independent streams):
+
+- all_reduce: flatten and concatenate; split the result.
+- reduce_scatter (over dim 0 of its input, as the functional op): view each input as
+  ``[group_size, -1]`` and concatenate along dim 1, so that row r of the bucket holds
+  the blocks that rank r keeps; the result's row splits into each member's block.
+- all_gather (into dim 0): flatten and concatenate each rank's blocks; the result,
+  viewed as ``[group_size, -1]``, splits along dim 1 into each member's gathered
+  blocks.
+
+A reduction bucket (gradients, produced in backward order) is issued where its last
+member was, so every input exists, and may only grow while none of its results is
+needed yet: buckets leave in backward order and the rest of the backward overlaps
+them. A gather bucket (parameters, read in forward or backward order) is issued
+where its first member was (the members' inputs, views of parameter shards, are
+moved up with it) and grows while its results are not needed yet. Ranks run the
+same passes on the same graph shape, so they issue the same buckets in the same
+order.
+
+torch ships greedy bucketing passes (``torch._inductor.fx_passes.bucketing``); on a
+data-parallel GPT step they merge every parameter gather of the step, forward and
+backward, into one all-gather at the start (no memory saved) and every gradient into
+one reduce-scatter after the backward (no overlap), and leave the graph to be
+re-sorted, so the project keeps its own, with these policies.
 
 # NOTE [Overlap]
 Functional collectives are asynchronous until ``wait_tensor``. Tracing puts each wait
 right after its collective; ``sink_waits`` moves it down to just before the first
-use of the result, so the rest of the backward pass runs while gradients are reduced.
+use of the result, so compute runs while a collective is in flight.
+``prefetch_all_gathers`` moves each gather up to just after the wait of the gather
+``ahead`` places before it: the next parameters arrive while this layer computes,
+and at most ``ahead + 1`` gathered buckets are alive at once.
 """
 
 from __future__ import annotations
@@ -23,82 +48,182 @@ import torch
 import torch.fx as fx
 
 from sharded import _torch
+from sharded.passes.cleanup import _is_pure
 
-_ALL_REDUCE = _torch.c10d_functional.all_reduce.default
+_F = _torch.c10d_functional
+_ALL_REDUCE = _F.all_reduce.default
+_REDUCE_SCATTER = _F.reduce_scatter_tensor.default
+_ALL_GATHER = _F.all_gather_into_tensor.default
+_WAIT = _torch.WAIT_OP
+aten = torch.ops.aten
+
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def _wait_of(node: fx.Node) -> fx.Node | None:
     for u in node.users:
-        if u.target is _torch.WAIT_OP:
+        if u.target is _WAIT:
             return u
     return None
 
 
+def _group_size(node: fx.Node) -> int:
+    return node.args[-2] if node.target in (_REDUCE_SCATTER, _ALL_GATHER) else 1
+
+
+def _key(node: fx.Node):
+    val = node.args[0].meta.get("val")
+    op = node.args[1] if node.target in (_ALL_REDUCE, _REDUCE_SCATTER) else None
+    return (node.target, op, node.args[-1], val.dtype, val.device)
+
+
+def _bucketable(node: fx.Node) -> bool:
+    return (_wait_of(node) is not None and len(node.users) == 1
+            and node.args[0].meta.get("val") is not None)
+
+
 def bucket_all_reduces(gm: fx.GraphModule, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> fx.GraphModule:
+    """Merge consecutive all-reduces (NOTE [Bucketing])."""
+    return _bucket(gm, _ALL_REDUCE, bucket_bytes)
+
+
+def bucket_reduce_scatters(gm: fx.GraphModule, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> fx.GraphModule:
+    """Merge consecutive reduce-scatters (NOTE [Bucketing])."""
+    return _bucket(gm, _REDUCE_SCATTER, bucket_bytes)
+
+
+def bucket_all_gathers(gm: fx.GraphModule, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> fx.GraphModule:
+    """Merge consecutive all-gathers (NOTE [Bucketing])."""
+    return _bucket(gm, _ALL_GATHER, bucket_bytes)
+
+
+def _bucket(gm: fx.GraphModule, target, bucket_bytes: int) -> fx.GraphModule:
+    """One open bucket per (group, op, dtype): collectives over different groups are
+    independent streams, so a tensor-parallel all-reduce between two data-parallel
+    ones does not end their bucket."""
+    gather = target is _ALL_GATHER
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    bucket: list[fx.Node] = []
-    key = None
-    size = 0
-    earliest_use = len(nodes)
+    buckets: list[list[fx.Node]] = []
+    open_: dict = {}       # key -> [members, bytes, earliest use of a member's result]
 
-    def flush():
-        nonlocal bucket, size, earliest_use
-        if len(bucket) > 1:
-            _merge(gm, bucket)
-        bucket, size, earliest_use = [], 0, len(nodes)
+    def flush(k):
+        members = open_.pop(k, [[]])[0]
+        if len(members) > 1:
+            buckets.append(members)
 
     for n in nodes:
-        if n.op != "call_function" or n.target is not _ALL_REDUCE:
+        if n.op != "call_function" or n.target is not target:
             continue
-        wait = _wait_of(n)
-        val = n.args[0].meta.get("val")
-        if wait is None or val is None or len(n.users) != 1:
-            flush()
+        k = _key(n)
+        if not _bucketable(n):
+            flush(k)
             continue
-        k = (n.args[1], n.args[2], val.dtype, val.device)
-        nbytes = val.numel() * val.element_size()
-        if bucket and (k != key or pos[n] >= earliest_use or size + nbytes > bucket_bytes):
-            flush()
-        bucket.append(n)
-        key = k
-        size += nbytes
-        first_use = min((pos[u] for u in wait.users), default=len(nodes))
-        earliest_use = min(earliest_use, first_use)
-    flush()
+        val = n.args[0].meta["val"]
+        nbytes = max(val.numel() * val.element_size(), _nbytes(n))
+        if k in open_:
+            members, size, earliest_use = open_[k]
+            if size + nbytes > bucket_bytes or (
+                    not _movable(n.args[0], pos[members[0]], pos) if gather else pos[n] >= earliest_use):
+                flush(k)
+        members, size, earliest_use = open_.setdefault(k, [[], 0, len(nodes)])
+        first_use = min((pos[u] for u in _wait_of(n).users), default=len(nodes))
+        open_[k] = [members + [n], size + nbytes, min(earliest_use, first_use)]
+    for k in list(open_):
+        flush(k)
+    buckets.sort(key=lambda b: pos[b[0]])
+    for b in buckets:
+        _merge(gm, b)
     return gm
 
 
+def _movable(node, limit: int, pos: dict) -> bool:
+    """Can ``node`` (with the pure ops it needs) be computed before position ``limit``?"""
+    if not isinstance(node, fx.Node) or pos[node] < limit or node.op in ("placeholder", "get_attr"):
+        return True
+    if node.op != "call_function" or not _is_pure(node.target) or node.target in _torch.COLLECTIVE_OPS \
+            or node.target is _WAIT:
+        return False
+    return all(_movable(a, limit, pos) for a in node.all_input_nodes)
+
+
+def _nbytes(n: fx.Node) -> int:
+    val = n.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
 def _merge(gm: fx.GraphModule, bucket: list[fx.Node]) -> None:
-    """One all-reduce for ``bucket``, issued where its last member was; its wait and
-    the unpacking go just before the first consumer of any member's result."""
+    """One collective for ``bucket``; its wait and the unpacking go just before the
+    first consumer of any member's result."""
     g = gm.graph
-    last = bucket[-1]
-    op, group = last.args[1], last.args[2]
+    target = bucket[0].target
+    gather = target is _ALL_GATHER
+    if gather:       # issued where the first member was; the others' inputs move up
+        anchor = bucket[0]
+        order = {n: i for i, n in enumerate(g.nodes)}
+        for n in bucket[1:]:
+            _move(n.args[0], anchor, order)
+    else:
+        anchor = bucket[-1]
+    n_ranks = _group_size(anchor)
     vals = [n.args[0].meta["val"] for n in bucket]
+    outs = [n.meta["val"] for n in bucket]
     waits = [_wait_of(n) for n in bucket]
     order = {n: i for i, n in enumerate(g.nodes)}
     first_user = min((u for w in waits for u in w.users), key=order.__getitem__)
-    with g.inserting_before(last):
-        flats = [g.call_function(torch.ops.aten.reshape.default, (n.args[0], [-1])) for n in bucket]
-        cat = g.call_function(torch.ops.aten.cat.default, (flats,))
-        ar = g.call_function(_ALL_REDUCE, (cat, op, group))
+
+    def call(fn, args, val):
+        node = g.call_function(fn, args)
+        node.meta["val"] = val
+        return node
+
+    with g.inserting_before(anchor):
+        if target is _REDUCE_SCATTER:
+            parts = [call(aten.reshape.default, (n.args[0], [n_ranks, -1]), v.reshape(n_ranks, -1))
+                     for n, v in zip(bucket, vals)]
+            flat = call(aten.cat.default, (parts, 1), vals[0].new_empty(n_ranks, sum(v.numel() for v in vals) // n_ranks))
+        else:
+            parts = [call(aten.reshape.default, (n.args[0], [-1]), v.reshape(-1)) for n, v in zip(bucket, vals)]
+            flat = call(aten.cat.default, (parts,), vals[0].new_empty(sum(v.numel() for v in vals)))
+        args = (flat,) + tuple(anchor.args[1:])
+        out_val = (flat.meta["val"].new_empty(n_ranks * flat.meta["val"].numel()) if gather else
+                   flat.meta["val"].new_empty(1, flat.meta["val"].shape[1]) if target is _REDUCE_SCATTER
+                   else flat.meta["val"])
+        coll = call(target, args, out_val)
     with g.inserting_before(first_user):
-        wait = g.call_function(_torch.WAIT_OP, (ar,))
-        parts = g.call_function(torch.ops.aten.split_with_sizes.default,
-                                (wait, [v.numel() for v in vals]))
-        outs = [
-            g.call_function(torch.ops.aten.view.default,
-                            (g.call_function(operator.getitem, (parts, i)), list(v.shape)))
-            for i, v in enumerate(vals)
-        ]
-    # Shapes for the analyses that run after this pass (cost, fingerprint).
-    cat.meta["val"] = ar.meta["val"] = wait.meta["val"] = vals[0].new_empty(sum(v.numel() for v in vals))
-    for n, w, out in zip(bucket, waits, outs):
-        w.replace_all_uses_with(out)
+        wait = call(_WAIT, (coll,), out_val)
+        if gather:
+            rows = call(aten.view.default, (wait, [n_ranks, -1]), out_val.view(n_ranks, -1))
+            sizes, dim = [v.numel() for v in vals], 1
+        else:
+            rows = call(aten.view.default, (wait, [-1]), out_val.view(-1))
+            sizes = [o.numel() for o in outs]
+            dim = 0
+        pieces = call(aten.split_with_sizes.default, (rows, sizes, dim), None)
+        results = []
+        for i, o in enumerate(outs):
+            piece = call(operator.getitem, (pieces, i), None)
+            results.append(call(aten.reshape.default, (piece, list(o.shape)), o))
+    for n, w, r in zip(bucket, waits, results):
+        w.replace_all_uses_with(r)
         g.erase_node(w)
         g.erase_node(n)
+
+
+def _move(node, anchor: fx.Node, order: dict) -> bool:
+    """Move ``node`` (and the pure ops it needs) up to just before ``anchor``, if it is
+    not there already; False if something it needs cannot move (a collective, a wait,
+    a random or mutating op)."""
+    if not isinstance(node, fx.Node) or order[node] < order[anchor] or node.op in ("placeholder", "get_attr"):
+        return True
+    if node.op != "call_function" or not _is_pure(node.target) or node.target in _torch.COLLECTIVE_OPS \
+            or node.target is _WAIT:
+        return False
+    if not all(_move(a, anchor, order) for a in node.all_input_nodes):
+        return False
+    anchor.prepend(node)
+    order[node] = order[anchor] - 0.5
+    return True
 
 
 def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
@@ -106,9 +231,27 @@ def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     for n in nodes:
-        if n.op != "call_function" or n.target is not _torch.WAIT_OP or not n.users:
+        if n.op != "call_function" or n.target is not _WAIT or not n.users:
             continue
         first = min(n.users, key=lambda u: pos[u])
         if first is not n.next:
             first.prepend(n)
+    return gm
+
+
+def prefetch_all_gathers(gm: fx.GraphModule, ahead: int = 1) -> fx.GraphModule:
+    """Issue each all-gather just after the wait of the one ``ahead`` places before
+    it (NOTE [Overlap]); the first ``ahead`` are issued as early as their inputs
+    allow. Run after ``sink_waits``."""
+    gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _ALL_GATHER]
+    for i, ag in enumerate(gathers):
+        if i < ahead:
+            continue
+        wait = _wait_of(gathers[i - ahead])
+        if wait is None:
+            continue
+        order = {n: j for j, n in enumerate(gm.graph.nodes)}
+        if order[ag] <= order[wait]:
+            continue
+        _move(ag, wait.next, order)
     return gm

@@ -1,0 +1,252 @@
+"""DataParallelMode against DDP and FSDP2: step time, peak memory and compile time of
+a train step on local gloo ranks, side by side in one run.
+
+    python benchmarks/bench_data_parallel.py                  # gpt-tiny and MLP, 2 ranks
+    python benchmarks/bench_data_parallel.py --models mlp --iters 30
+
+Modes (every one: forward, backward, AdamW):
+
+  single     the functional step on the full batch, one process per rank (reference)
+  ddp        DistributedDataParallel(nn.Module) + torch.optim.AdamW, batch split
+  pjit_ddp   pjit(step, mode=DataParallelMode("replicate")), batch P("dp")
+  fsdp2      fully_shard on every block (GPT) / layer (MLP) and the root + torch.optim.AdamW
+  pjit_fsdp  pjit(step, mode=DataParallelMode("shard")), batch P("dp")
+
+Every rank gets ``cpu_count // world`` intra-op threads (one each on the 2-core
+machine). The modes are warmed up, then timed round-robin (one step of each per
+round, a barrier before every step): the reported time is the slowest rank's median.
+Peak memory is the peak of bytes allocated and not yet freed on a rank from building
+the mode (model, optimizer, sharding; for pjit also the compile) through three steps
+(``_models.peak_allocated_bytes``). Compile time is ``pjit(...).lower(...)`` (trace,
+partition, passes) for each DataParallelMode layout and for DTensorExpandMode with
+replicated parameter specs (what data parallelism was before). Writes
+``benchmarks/results/data_parallel.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks import _models as M  # noqa: E402
+from benchmarks._models import git_rev  # noqa: E402
+from examples import gpt  # noqa: E402
+from sharded import launch  # noqa: E402
+
+MODES = ("single", "ddp", "pjit_ddp", "fsdp2", "pjit_fsdp")
+RATIOS = (("pjit_ddp", "ddp"), ("pjit_fsdp", "fsdp2"), ("ddp", "single"), ("fsdp2", "single"))
+
+
+def _model(a: dict, name: str):
+    """(functional params, step fn, loss of a module, module factory, batch, static args,
+    FSDP units of a module)."""
+    if name == "gpt":
+        cfg = gpt.GPTConfig(vocab=a["vocab"], d_model=a["d_model"], n_heads=a["heads"],
+                            n_layers=a["layers"], seq=a["seq"], sdpa=True)
+        params = gpt.init_params(cfg, 0)
+        ids, tgt = gpt.batch(cfg, a["batch"], seed=1)
+        return dict(params=params, step=lambda p, o, x, y: gpt.train_step(p, o, x, y, cfg),
+                    module=lambda: M.GPTBlocks(params, cfg), loss=M.module_loss, batch=(ids, tgt),
+                    units=lambda m: list(m.blocks))
+    width, layers = a["mlp_width"], a["mlp_layers"]
+    params = M.mlp_init(width, layers)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(a["mlp_batch"], width, generator=g), torch.randn(a["mlp_batch"], width, generator=g)
+    return dict(params=params, step=M.mlp_train_step, module=lambda: M.MLPModule(params),
+                loss=lambda m, x, y: torch.nn.functional.mse_loss(m(x), y), batch=(x, y),
+                units=lambda m: list(m.layers))
+
+
+def _build(mode: str, spec: dict, world: int, rank: int):
+    """Everything a mode needs (built inside the memory window); returns step()."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from sharded import Mesh, P, optim
+    from sharded.modes import DataParallelMode
+    from transforms import pjit
+
+    x, y = spec["batch"]
+    local = tuple(t.chunk(world)[rank] for t in (x, y))
+    st: dict = {}
+    if mode == "single":
+        st["p"], st["o"] = spec["params"], optim.adamw_init(spec["params"])
+
+        def step():
+            st["p"], st["o"], st["loss"] = spec["step"](st["p"], st["o"], x, y)
+    elif mode in ("ddp", "fsdp2"):
+        model = spec["module"]()
+        if mode == "ddp":
+            model = DDP(model)
+        else:
+            mesh = Mesh((world,), ("dp",)).device_mesh
+            for unit in spec["units"](model):
+                fully_shard(unit, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = spec["loss"](model, *local)
+            loss.backward()
+            opt.step()
+            st["loss"] = loss.detach()
+    else:
+        mesh = Mesh((world,), ("dp",))
+        layout = "replicate" if mode == "pjit_ddp" else "shard"
+        mode = DataParallelMode(layout)
+        f = pjit(spec["step"], in_specs=(P(), P(), P("dp"), P("dp")), mesh=mesh, mode=mode)
+        init = pjit(optim.adamw_init, in_specs=P(), mesh=mesh, mode=mode)   # born sharded
+        st["p"], st["o"] = spec["params"], init(spec["params"])
+
+        def step():
+            st["p"], st["o"], st["loss"] = f(st["p"], st["o"], x, y)
+        st["pjit"] = f
+    step()
+    return step, st
+
+
+def _compile_times(spec: dict, world: int) -> dict:
+    from sharded import Mesh, P, optim
+    from sharded.modes import DataParallelMode, DTensorExpandMode
+    from transforms import pjit
+
+    mesh = Mesh((world,), ("dp",))
+    x, y = spec["batch"]
+    opt = optim.adamw_init(spec["params"])
+    out = {}
+    for name, mode in (("DataParallelMode('replicate')", DataParallelMode("replicate")),
+                       ("DataParallelMode('shard')", DataParallelMode("shard")),
+                       ("DTensorExpandMode, params P()", DTensorExpandMode())):
+        f = pjit(spec["step"], in_specs=(P(), P(), P("dp"), P("dp")), mesh=mesh, mode=mode)
+        dist.barrier()
+        t0 = time.perf_counter()
+        low = f.lower(spec["params"], opt, x, y)
+        out[name] = {"s": time.perf_counter() - t0,
+                     "collectives": {k: v["count"] for k, v in low.cost().items() if k != "total"}}
+    return out
+
+
+def _rank_main(a: dict) -> dict:
+    import sharded.rules  # noqa: F401  (SDPA sharding rules)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    for name in a["models"]:
+        spec = _model(a, name)
+        res: dict = {"times": {}, "peak_bytes": {}, "loss0": {}}
+        # memory: each mode built and run alone, from nothing, inside the window
+        for mode in a["modes"]:
+            def window():
+                step, st = _build(mode, spec, world, rank)
+                step()
+                step()
+            dist.barrier()
+            res["peak_bytes"][mode] = M.peak_allocated_bytes(window)
+        # time: all modes built, then timed round-robin
+        steps, states = {}, {}
+        for mode in a["modes"]:
+            steps[mode], states[mode] = _build(mode, spec, world, rank)
+        for mode in a["modes"]:
+            loss = states[mode]["loss"]
+            loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss.clone()
+            if mode in ("ddp", "fsdp2"):
+                dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+            res["loss0"][mode] = float(loss)
+        for _ in range(a["warmup"]):
+            for s in steps.values():
+                s()
+        times = {m: [] for m in steps}
+        for _ in range(a["iters"]):
+            for m, s in steps.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                s()
+                times[m].append(time.perf_counter() - t0)
+        dist.barrier()
+        res["times"] = times
+        res["cost"] = {m: {k: v["count"] for k, v in states[m]["pjit"].lower(
+            states[m]["p"], states[m]["o"], *spec["batch"]).cost().items() if k != "total"}
+            for m in a["modes"] if "pjit" in states[m]}
+        res["compile"] = _compile_times(spec, world) if a["compile"] else {}
+        out[name] = res
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="gpt,mlp")
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--mlp-width", type=int, default=1024)
+    ap.add_argument("--mlp-layers", type=int, default=8)
+    ap.add_argument("--mlp-batch", type=int, default=64)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--no-compile", dest="compile", action="store_false",
+                    help="skip the compile-time comparison")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "data_parallel.json"))
+    args = ap.parse_args(argv)
+    a = {k: getattr(args, k) for k in ("vocab", "d_model", "heads", "layers", "batch", "seq",
+                                       "mlp_width", "mlp_layers", "mlp_batch", "warmup", "iters",
+                                       "compile")}
+    a["models"] = [m for m in args.models.split(",") if m]
+    a["modes"] = [m for m in args.modes.split(",") if m]
+
+    t0 = time.perf_counter()
+    per_rank = launch(_rank_main, args.world, a)
+    wall = time.perf_counter() - t0
+    threads = max(1, (os.cpu_count() or 1) // args.world)
+    result = {"benchmark": "data_parallel", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "torch": torch.__version__, "git": git_rev(), "world_size": args.world,
+              "threads_per_rank": threads, "cpu_count": os.cpu_count(), "config": a, "models": {}}
+    for name in a["models"]:
+        ms = {m: max(statistics.median(r[name]["times"][m]) for r in per_rank) * 1e3 for m in a["modes"]}
+        peak = {m: max(r[name]["peak_bytes"][m] for r in per_rank) for m in a["modes"]}
+        ratios = {f"{n}/{d}": ms[n] / ms[d] for n, d in RATIOS if n in ms and d in ms}
+        mem_ratios = {f"{n}/{d}": peak[n] / peak[d] for n, d in RATIOS[:2] if n in peak and d in peak}
+        print(f"\n{name}: world {args.world}, {threads} thread(s)/rank, median of {args.iters} "
+              f"interleaved rounds after {args.warmup} warmup")
+        print(f"{'mode':<11}{'ms/step':>9}{'peak MiB':>10}{'loss@0':>10}")
+        for m in a["modes"]:
+            print(f"{m:<11}{ms[m]:>9.1f}{peak[m] / 2**20:>10.2f}{per_rank[0][name]['loss0'][m]:>10.4f}")
+        print("time ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+        print("peak memory ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in mem_ratios.items()))
+        for m, c in per_rank[0][name]["cost"].items():
+            print(f"{m}: collectives per step {c}")
+        for k, v in per_rank[0][name]["compile"].items():
+            print(f"compile {k}: {v['s']:.2f} s, {v['collectives']}")
+        result["models"][name] = {
+            "median_ms": ms, "peak_bytes": peak, "ratios": ratios, "peak_memory_ratios": mem_ratios,
+            "loss_first_step": per_rank[0][name]["loss0"], "cost_rank0": per_rank[0][name]["cost"],
+            "compile_rank0": per_rank[0][name]["compile"],
+            "times_ms_per_rank": {m: [[t * 1e3 for t in r[name]["times"][m]] for r in per_rank]
+                                  for m in a["modes"]},
+        }
+    result["wall_s"] = wall
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"wrote {args.out} ({wall:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""DataParallelMode on real gloo ranks: a train step equals the single-device run in
+both layouts ("replicate": DDP-like, "shard": FSDP-like), on 1-D meshes and composed
+with Megatron tensor parallelism on a 2x2 ("dp", "tp") mesh; the programs have the
+collectives of DDP and FSDP; bad programs are clear errors on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from sharded import Mesh, P, gather, optim, spec_of
+from sharded import random as srandom
+from sharded.modes import DataParallelMode, DTensorExpandMode
+from transforms import pjit
+
+V, T, D, H, B = 16, 6, 8, 16, 8
+
+
+def init(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"emb": (V, D), "pos": (T, D), "ln_w": (D,), "ln_b": (D,),
+              "w1": (H, D), "b1": (H,), "w2": (D, H), "mix": (D,)}
+    p = {k: torch.randn(*s, generator=g) * 0.3 for k, s in shapes.items()}
+    p["ln_w"] = p["ln_w"] + 1.0
+    return p
+
+
+# Megatron over "tp": w1/b1 split on their output dim, w2 on its input dim.
+TP_SPECS = {"emb": P(), "pos": P(), "ln_w": P(), "ln_b": P(), "w1": P("tp"), "b1": P("tp"),
+            "w2": P(None, "tp"), "mix": P()}
+
+
+def batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    return ids, torch.roll(ids, -1, 1)
+
+
+def loss_fn(p, ids, targets, dropout: float = 0.0):
+    """Embedding, layer_norm, an MLP on the batch folded into (B*T, D) and viewed back,
+    a mixing over the sequence after a permute that moves the batch to dim 1, a tied
+    LM head."""
+    b, t = ids.shape
+    x = F.embedding(ids, p["emb"]) + p["pos"][:t]
+    x = F.layer_norm(x, (D,), p["ln_w"], p["ln_b"])
+    h = F.gelu(F.linear(x.reshape(b * t, D), p["w1"], p["b1"])) @ p["w2"].T
+    x = x + F.dropout(h.view(b, t, D), dropout)
+    xt = x.permute(1, 0, 2)                                # [T, B, D]: the batch on dim 1
+    weights = torch.softmax((xt * p["mix"]).sum(-1, keepdim=True), dim=0)
+    x = (xt * weights).cumsum(0).permute(1, 0, 2)          # per example, over the sequence
+    logits = x @ p["emb"].T
+    return F.cross_entropy(logits.reshape(b * t, V), targets.reshape(b * t))
+
+
+def train_step(params, opt_state, ids, targets, dropout: float = 0.0):
+    grads, loss = torch.func.grad_and_value(loss_fn)(params, ids, targets, dropout)
+    params, opt_state = optim.adamw(params, grads, opt_state, lr=1e-2)
+    return params, opt_state, loss
+
+
+def _specs(tp: bool):
+    pspecs = TP_SPECS if tp else P()
+    ospecs = {"step": P(), "m": TP_SPECS, "v": TP_SPECS} if tp else P()
+    return (pspecs, ospecs, P("dp"), P("dp"))
+
+
+# -- rank-side bodies ----------------------------------------------------------------------
+
+def _train(mesh_shape, names, tp, mode_kwargs, steps=4):
+    """On every rank: ``steps`` train steps under pjit with DataParallelMode equal the
+    single-device steps; returns what the tests check about layouts and programs."""
+    mesh = Mesh(mesh_shape, names)
+    mode = DataParallelMode(**mode_kwargs)
+    step = pjit(train_step, in_specs=_specs(tp), mesh=mesh, mode=mode)
+    params = init()
+    opt = optim.adamw_init(params)
+    ids, targets = batch()
+    p, o, rp, ro = params, opt, params, opt
+    for _ in range(steps):
+        p, o, loss = step(p, o, ids, targets)
+        rp, ro, ref_loss = train_step(rp, ro, ids, targets)
+        torch.testing.assert_close(gather(loss), ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gather(p), rp, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gather(o), ro, rtol=1e-4, atol=1e-6)
+    assert step.trace_count == 1
+    lowered = step.lower(p, o, ids, targets)
+    return {
+        "param_specs": {k: spec_of(v) for k, v in p.items()},
+        "moment_specs": {k: spec_of(v) for k, v in o["m"].items()},
+        "local_numel": {k: v.to_local().numel() for k, v in p.items()},
+        "loss_spec": spec_of(loss),
+        "collectives": [(c.kind, c.axis, c.shape) for c in lowered.collectives()],
+        "wire": [(c.kind, c.group_size, c.bytes, c.wire_bytes) for c in lowered.collectives()],
+        "layouts": lowered.layouts,
+    }
+
+
+def _train_all(ws):
+    """Every configuration for one world size, in one call to the ranks."""
+    out = {}
+    for sharding in ("replicate", "shard"):
+        out[("1d", sharding)] = _train((ws,), ("dp",), False, {"param_sharding": sharding})
+        if ws == 4:
+            out[("2x2", sharding)] = _train((2, 2), ("dp", "tp"), True, {"param_sharding": sharding})
+    # small buckets and a deeper prefetch: several buckets of each kind
+    out[("1d", "shard-small")] = _train((ws,), ("dp",), False,
+                                        {"param_sharding": "shard", "bucket_bytes": 512, "prefetch": 2})
+    return out
+
+
+_RESULTS: dict = {}
+
+
+def _results(on_ranks, ws):
+    if ws not in _RESULTS:
+        _RESULTS[ws] = on_ranks(ws, _train_all, ws)[0]
+    return ws, _RESULTS[ws]
+
+
+@pytest.fixture(params=[2, 4])
+def results(request, on_ranks):
+    return _results(on_ranks, request.param)
+
+
+# -- tests ------------------------------------------------------------------------------------
+
+def test_train_step_equals_single_device(results):
+    """(Checked on the ranks: losses, params and AdamW moments after 4 steps.)"""
+    ws, res = results
+    assert set(res) >= {("1d", "replicate"), ("1d", "shard")}
+
+
+def test_replicate_is_ddp(results):
+    ws, res = results
+    for mesh in ("1d", "2x2"):
+        r = res.get((mesh, "replicate"))
+        if r is None:
+            continue
+        assert all(s == (TP_SPECS[k] if mesh == "2x2" else P()) for k, s in r["param_specs"].items())
+        dp = [c for c in r["collectives"] if c[1] == "dp"]
+        assert {kind for kind, _, _ in dp} == {"all_reduce"}, dp
+        # one bucket of gradients (the cap is 25 MiB) plus the loss's reductions
+        assert sum(1 for kind, _, shape in dp if shape != ()) == 1, dp
+        assert r["loss_spec"] == P()
+        # ring algorithms: an all-reduce of B bytes over n ranks sends 2 (n - 1) / n B
+        assert all(w == int(2 * (n - 1) / n * b) for kind, n, b, w in r["wire"] if kind == "all_reduce")
+    for kind, n, b, w in res[("1d", "shard")]["wire"]:
+        if kind in ("all_gather", "reduce_scatter"):
+            assert n == ws and w == int((n - 1) / n * b)
+
+
+def test_shard_is_fsdp(results):
+    ws, res = results
+    r = res[("1d", "shard")]
+    full = init()
+    for k, spec in r["param_specs"].items():
+        divides = full[k].shape[0] % ws == 0
+        assert spec == (P("dp") if divides else P()), (k, spec)
+        assert r["moment_specs"][k] == spec
+        assert r["local_numel"][k] == full[k].numel() // (ws if divides else 1)
+    kinds = {kind for kind, _, _ in r["collectives"]}
+    assert {"all_gather", "reduce_scatter"} <= kinds and "all_to_all" not in kinds
+    # all-reduced: scalars (the loss), and the gradients of state that stays
+    # replicated because its dim 0 does not divide (pos: 6 rows over 4 ranks)
+    replicated = {tuple(full[k].shape) for k, s in r["param_specs"].items() if s == P()}
+    assert {shape for kind, _, shape in r["collectives"] if kind == "all_reduce"} <= {()} | replicated
+    assert (ws == 4) == (replicated == {(T, D)})
+    small = res[("1d", "shard-small")]["collectives"]
+    assert sum(k == "reduce_scatter" for k, _, _ in small) > 1
+    assert sum(k == "all_gather" for k, _, _ in small) > 2
+
+
+def test_fsdp_composes_with_megatron(on_ranks):
+    _, res = _results(on_ranks, 4)
+    r = res[("2x2", "shard")]
+    # dp takes the first dim that "tp" does not split: P("tp") -> P("tp", "dp")
+    assert r["param_specs"]["w1"] == P("tp", "dp")
+    assert r["param_specs"]["w2"] == P("dp", "tp")
+    assert r["param_specs"]["emb"] == P("dp")
+    assert r["param_specs"]["b1"] == P("tp")          # its one dim is tp's: replicated over dp
+    # all-reduced over dp: the loss, and b1's gradient (local [16 / 2])
+    assert {shape for kind, axis, shape in r["collectives"]
+            if kind == "all_reduce" and axis == "dp"} == {(), (H // 2,)}
+
+
+def test_layouts_are_reported(results):
+    ws, res = results
+    layouts = res[("1d", "shard")]["layouts"]
+    assert layouts["inputs"]["args[0]['emb']"] == ("state", P("dp"))
+    assert layouts["inputs"]["args[2]"] == ("batch", P("dp"))
+    assert layouts["outputs"]["output[0]"][1] == P("dp")
+
+
+# -- random numbers: the same draws as any other layout ---------------------------------------
+
+def _dropout_matches_expand_mode():
+    mesh = Mesh((2,), ("dp",))
+    params, ids_targets = init(), batch()
+    opt = optim.adamw_init(params)
+    results = []
+    for mode in (DTensorExpandMode(), DataParallelMode("replicate"), DataParallelMode("shard")):
+        srandom.manual_seed(7)
+        step = pjit(train_step, in_specs=_specs(False), mesh=mesh, mode=mode, static_argnums=(4,))
+        p, o, loss = step(params, opt, *ids_targets, 0.5)
+        results.append(gather((p, loss)))
+    for r in results[1:]:
+        torch.testing.assert_close(r, results[0], rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_draws_do_not_depend_on_the_mode(on_ranks):
+    on_ranks(2, _dropout_matches_expand_mode)
+
+
+# -- errors on every rank -----------------------------------------------------------------------
+
+def _error(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _errors():
+    mesh = Mesh((2,), ("dp",))
+    mode = DataParallelMode("shard")
+    ids, targets = batch()
+    x = torch.randn(B, D)
+
+    def over_batch(x):
+        return x.cumsum(0).sum()
+
+    def first_example(x):
+        return x[0].sum()
+
+    return {
+        "not divisible": _error(pjit(lambda x: x.sum(), in_specs=P("dp"), mesh=mesh, mode=mode),
+                                torch.randn(3, 4)),
+        "batch sizes differ": _error(pjit(lambda a, b: a.sum() + b.sum(), in_specs=(P("dp"), P(None, "dp")),
+                                          mesh=mesh, mode=mode), ids, torch.randn(4, B * 2)),
+        "cumsum over batch": _error(pjit(over_batch, in_specs=P("dp"), mesh=mesh, mode=mode), x),
+        "indexes one example": _error(pjit(first_example, in_specs=P("dp"), mesh=mesh, mode=mode), x),
+        "unknown axis": _error(pjit(lambda x: x.sum(), in_specs=P(), mesh=mesh,
+                                    mode=DataParallelMode(axis="batch")), x),
+    }
+
+
+def test_errors_are_clear_on_every_rank(on_ranks):
+    per_rank = on_ranks(2, _errors)
+    assert per_rank[0].keys() == per_rank[1].keys()
+    for errors in per_rank:
+        assert "does not divide it" in errors["not divisible"]
+        assert "must split batches of one size" in errors["batch sizes differ"]
+        assert "args[1]: dim 1 (size 16)" in errors["batch sizes differ"]
+        for case in ("cumsum over batch", "indexes one example"):
+            msg = errors[case]
+            assert "cannot keep the batch split over mesh axis 'dp'" in msg, msg
+            assert "test_data_parallel.py" in msg, msg            # the user's source line
+        assert "mesh axis 'batch' is not in the mesh" in errors["unknown axis"]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="param_sharding must be one of"):
+        DataParallelMode("fsdp")
+    with pytest.raises(ValueError, match="bucket_bytes must be a positive int"):
+        DataParallelMode(bucket_bytes=0)
+    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+        DataParallelMode(prefetch=-1)
+
+
+def _init_born_sharded():
+    mesh = Mesh((2,), ("dp",))
+    init_state = pjit(optim.adamw_init, in_specs=P(), mesh=mesh, mode=DataParallelMode("shard"))
+    params = init()
+    state = init_state(params)
+    return ({k: spec_of(v) for k, v in state["m"].items()}, spec_of(state["step"]),
+            {k: v.to_local().numel() for k, v in state["v"].items()},
+            {k: v.numel() for k, v in params.items()},
+            float(sum(gather(t).abs().sum() for t in state["m"].values())))
+
+
+def test_optimizer_state_is_born_sharded(on_ranks):
+    for m_specs, step_spec, local, full, total in on_ranks(2, _init_born_sharded):
+        assert step_spec == P() and total == 0.0
+        for k, spec in m_specs.items():
+            divides = init()[k].shape[0] % 2 == 0
+            assert spec == (P("dp") if divides else P())
+            assert local[k] == full[k] // (2 if divides else 1)
