@@ -66,10 +66,11 @@ class ManualContext:
     n_draws: int = 0             # traced: random draws so far
     captures: dict = field(default_factory=dict)   # id(outer value) -> stand-in
     new_captures: list = field(default_factory=list)
+    outer_transforms: bool = False   # traced under a torch.func transform of the program
     token: object = field(default_factory=object)
 
     # -- the region's boundary ----------------------------------------------------
-    def local_value(self, x):
+    def local_value(self, x, below_transforms: bool = False):
         """``x`` as the body may use it: DTensors are an error, a traced value of the
         enclosing program is replaced by its capture (see NOTE [Closures])."""
         if _torch.is_dtensor(x):   # (not a TypeError: Python turns those into NotImplemented)
@@ -82,14 +83,21 @@ class ManualContext:
             return x
         base = _torch.functorch_base(x)
         if _torch.is_fake(base) and _torch.fake_mode_of(base) is not self.fake_mode:
-            return self.capture(x, base)
+            return self.capture(x, base, below_transforms)
         return x
 
-    def capture(self, x, base):
+    def capture(self, x, base, below_transforms: bool = False):
         """The stand-in for a traced value of the enclosing program (keyed by the
         tensor under any torch.func wrapper: a transform inside the body wraps it
         anew each time)."""
         entry = self.captures.get(id(base))
+        if entry is None and below_transforms and self.outer_transforms:
+            # Seen first under a transform of the body, the value is known only by the
+            # tensor under the enclosing transform's wrapper: capturing that would cut
+            # the enclosing transform's gradient path (a silently missing gradient).
+            from sharded._region import _closure_under_transforms
+
+            raise _closure_under_transforms(self.api)
         if entry is None:
             with untracked():
                 stand_in = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -249,7 +257,8 @@ class _VmaDispatchMode(_torch.dispatch_mode_base()):
             return func(*args, **kwargs)
         if not self.ctx.eager:       # captures that a transform in the body wrapped
             flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
-            local = [self.ctx.local_value(x) if isinstance(x, torch.Tensor) else x for x in flat]
+            local = [self.ctx.local_value(x, below_transforms=True) if isinstance(x, torch.Tensor)
+                     else x for x in flat]
             if any(a is not b for a, b in zip(local, flat)):
                 args, kwargs = optree.tree_unflatten(spec, local)
         rule = VMA_RULES.get(func)

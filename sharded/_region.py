@@ -257,6 +257,7 @@ def trace_region(fn: Callable, in_metas, boundary: Boundary, mesh, name: str,
     """Trace ``fn`` (flat local tensors -> flat local tensors) into a Region, on fake
     local shards with ``in_metas`` = [(shape, dtype)], independent of any trace or
     torch.func transform around the call."""
+    outer_transforms = _torch.functorch_level() > 0
     with _torch.suspend_dispatch_modes(), _torch.clear_functorch_stack():
         fake_mode = _torch.new_fake_mode()
         device = C._mesh_device(mesh)
@@ -268,8 +269,13 @@ def trace_region(fn: Callable, in_metas, boundary: Boundary, mesh, name: str,
                 state = torch.empty(2, dtype=torch.int64, device=device)
             info: dict = {}
             traced = _traced_body(fn, len(fakes), captured, boundary, mesh, name, check_vma,
-                                  fake_mode, info)
-            gm = make_fx(traced, tracing_mode="fake")(*fakes, *caps, state)
+                                  fake_mode, outer_transforms, info)
+            try:
+                gm = make_fx(traced, tracing_mode="fake")(*fakes, *caps, state)
+            except RuntimeError as e:
+                if outer_transforms and "wrapped->level() < level" in str(e):
+                    raise _closure_under_transforms(name) from None
+                raise
             if not info["new_captures"]:
                 break
             captured = captured + info["new_captures"]
@@ -298,11 +304,23 @@ def trace_region(fn: Callable, in_metas, boundary: Boundary, mesh, name: str,
     return region
 
 
-def _traced_body(fn, n_in, captured, boundary, mesh, name, check_vma, fake_mode, info):
+def _closure_under_transforms(name) -> NotImplementedError:
+    # torch.func cannot wrap a wrapper of the enclosing program's transforms at the
+    # body's own levels (an internal assertion); see ManualContext.capture.
+    return NotImplementedError(
+        f"{name}: the body closes over a traced value and uses it only inside a "
+        f"torch.func transform of the body, while a torch.func transform encloses the "
+        f"shard_map; pass the value as an argument (with in_spec P()) instead of closing "
+        f"over it."
+    )
+
+
+def _traced_body(fn, n_in, captured, boundary, mesh, name, check_vma, fake_mode,
+                 outer_transforms, info):
     def traced(*xs):
         ins, caps, state = list(xs[:n_in]), xs[n_in:-1], xs[-1]
         ctx = ManualContext(mesh, check_vma, name, eager=False, fake_mode=fake_mode,
-                            rng_state=state)
+                            rng_state=state, outer_transforms=outer_transforms)
         for outer, stand_in in zip(captured, caps):
             ctx.captures[id(_torch.functorch_base(outer))] = (outer, stand_in)
         with manual_region(ctx):

@@ -238,6 +238,19 @@ def _regressions():
     except NotImplementedError as e:
         assert "forward-mode differentiation (torch.func.jvp, jacfwd) through a shard_map is not supported" in str(e), e
 
+    # A closed-over traced value used only under a transform inside the body, with a
+    # transform around the region: an error, not a gradient path silently cut.
+    def outer(p, x):
+        inner = shard_map(lambda x: torch.func.grad(lambda q: (q * x).sum())(p), mesh=mesh,
+                          in_specs=P("dp"), out_specs=P("dp"))
+        return inner(x).sum()
+
+    try:
+        pjit(torch.func.grad(outer), in_specs=(P(), P("dp")), mesh=mesh)(torch.ones(2), x)
+        raise AssertionError("no error")
+    except NotImplementedError as e:
+        assert "uses it only inside a torch.func transform of the body" in str(e), e
+
     # A torch.func transform around an eager call is a clear error.
     f = shard_map(lambda x: C.psum(x.sum(), "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
     try:
@@ -331,6 +344,13 @@ def _issue_regressions(ws):
     ref = torch.func.grad(lambda w: ((x @ w) ** 2).mean())(w)
     torch.testing.assert_close(gather(pjit(step, in_specs=(P(), P("dp")), mesh=mesh)(w, x)), ref)
     torch.testing.assert_close(gather(step(w, x)), ref)
+
+    # ... and differentiated again from outside (a grad inside the body, one outside)
+    cubic = shard_map(lambda w, x: torch.func.grad(lambda w, x: C.pmean(((x @ w) ** 3).mean(), "dp"))(w, x),
+                      mesh=mesh, in_specs=(P(), P("dp")), out_specs=P())
+    outer = pjit(torch.func.grad(lambda w, x: cubic(w, x).pow(2).sum()), in_specs=(P(), P("dp")), mesh=mesh)
+    ref = torch.func.grad(lambda w: torch.func.grad(lambda w: ((x @ w) ** 3).mean())(w).pow(2).sum())(w)
+    torch.testing.assert_close(gather(outer(w, x)), ref, rtol=1e-5, atol=1e-4)
 
     # 3. closures are invariant: accepted with out P(); the gradient is not ws times too large
     c = torch.tensor([2.0, 3.0, 4.0])
