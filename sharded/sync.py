@@ -233,7 +233,7 @@ def group_for(mesh):
 
 _KEY = "sharded/failure/{}"
 _STATE = {"released": None, "published": False, "epoch": 0, "store": None, "rank": -1,
-          "world": 0}
+          "world": 0, "calls": 0}
 _LOCK = threading.Lock()
 
 
@@ -264,6 +264,7 @@ def set_epoch(epoch: int) -> None:
                     pass
         _STATE["published"] = False
         _STATE["epoch"] = epoch
+        _STATE["calls"] = 0
 
 
 def publish(exc: BaseException, api: str, where: str) -> None:
@@ -317,10 +318,15 @@ def _finish_releasing() -> None:
         t.join(timeout=10.0)
 
 
-def run_guarded(api: str, fn, *args):
-    """``fn(*args)``, where a failure reaches every rank: this rank's own error is
-    published and its groups released (then re-raised); a communication error caused
-    by another rank becomes RankFailedError with that rank's error."""
+def run_guarded(api: str, fn, *args, mesh=None):
+    """``fn(*args)`` (a program's run, an eager shard_map body), where a failure
+    reaches every rank: a communication error caused by another rank becomes
+    RankFailedError with that rank's error; this rank's own error is re-raised, and,
+    unless every rank of ``mesh`` failed alike (NOTE [Failures alike]), published
+    with this rank's groups released first."""
+    with _LOCK:
+        _STATE["calls"] += 1
+        call = _STATE["calls"]
     try:
         return fn(*args)
     except BaseException as e:
@@ -328,12 +334,47 @@ def run_guarded(api: str, fn, *args):
             raise
         if _is_comm_error(e):
             raise _peer_failure(api, e, "while running its program") from None
+        if mesh is not None and _failed_alike(mesh, call, e):
+            raise
         me = dist.get_rank()
         publish(e, api, "while running its program")
         e.add_note(f"({api} failed on rank {me} while running; its process groups were "
                    f"closed so that the other ranks stop too.)")
         release(f"rank {me} failed in {api}")
         raise
+
+
+# NOTE [Failures alike]
+# The same bad input often fails every rank at the same op (an index out of range in
+# every shard, a typo in an eager shard_map body). Then no rank waits in a collective
+# and the process groups can stay usable. A rank that fails writes its error's text
+# to the store under the call's number (every rank counts its guarded calls; SPMD
+# programs count alike) and waits up to ALIKE_WAIT seconds for the other ranks of the
+# mesh: if all of them failed with the same text, it just raises; otherwise it takes
+# the failure path (publish, release). A rank that gives up too early only makes the
+# others fail a collective later, with its error: never a hang.
+ALIKE_WAIT = 2.0
+
+
+def _failed_alike(mesh, call: int, e: BaseException) -> bool:
+    import time
+
+    store = _store()
+    if store is None:
+        return False
+    ranks = sorted(mesh.device_mesh.mesh.flatten().tolist())
+    keys = [f"sharded/alike/{_STATE['epoch']}/{call}/{r}" for r in ranks]
+    text = _describe(e)
+    try:
+        store.set(keys[ranks.index(_STATE["rank"])], text.encode())
+        deadline = time.monotonic() + ALIKE_WAIT
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return all(store.get(k).decode() == text for k in keys)
+    except Exception:  # noqa: BLE001 - the store is gone: take the failure path
+        return False
 
 
 @contextlib.contextmanager

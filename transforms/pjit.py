@@ -262,7 +262,7 @@ class Pjit:
         states = sync.agree(mesh, self.name, outcome)
         if states is not None and entry is not None and entry.n_draws:
             srandom._settle(states, self.name)
-        return sync.run_guarded(self.name, entry.run, sig.leaves)
+        return sync.run_guarded(self.name, entry.run, sig.leaves, mesh=mesh)
 
     def lower(self, *args) -> Lowered:
         """Trace and partition for ``args`` without running (no communication)."""

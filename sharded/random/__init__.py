@@ -75,6 +75,18 @@ def _settle(states: list, api: str) -> None:
     )
 
 
+def _agree_on_seed(mesh, api: str = "sharded.random") -> None:
+    """Settle the seed and check that every rank of ``mesh`` has the same (seed,
+    offset): a collective that every rank enters, whether its seed is set or not
+    (eager random draws in a shard_map body; pjit folds the same check into its
+    per-call agreement)."""
+    from sharded import sync
+
+    states = sync.agree(mesh, api, sync.Outcome(0, list, _call_state()))
+    if states is not None:
+        _settle(states, api)
+
+
 def _take(n_draws: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(seed, offset) tensors for one call of a program with ``n_draws`` draws."""
     seed, offset = _STATE["seed"], _STATE["offset"]
