@@ -682,6 +682,22 @@ def c_ambient_dtype_in_key_ok():
     assert out.dtype == torch.float64 and f.trace_count == 2, (out.dtype, f.trace_count)
 
 
+def c_index_error_in_every_shard():
+    # The same failure on every rank while the program runs (NOTE [Failures alike]):
+    # each rank raises it, and the process groups stay usable.
+    w = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    f = pjit(lambda w, ids: F.embedding(ids, w).sum(), in_specs=(P(), P("dp")), mesh=_mesh())
+    try:
+        f(w, torch.tensor([40, 41, 42, 43]))
+    except IndexError as e:
+        err = e
+    else:
+        raise AssertionError("no error")
+    ids = torch.tensor([1, 2, 3, 4])
+    _close(gather(f(w, ids)), F.embedding(ids, w).sum())
+    raise err
+
+
 # -- cases that close the process groups (a failure while a program runs) -------------------
 
 def c_index_error_in_one_shard():
@@ -858,6 +874,7 @@ CASES = {
     "default_dtype_differs": (c_default_dtype_differs, E("RankMismatchError", r"rank 0: ambient: default dtype torch.float32\n    rank 1: ambient: default dtype torch.float64")),
     "autocast_on_one_rank": (c_autocast_on_one_rank, E("RankMismatchError", r"rank 0: ambient: default dtype torch.float32, autocast cpu torch.bfloat16\n    rank 1: ambient: default dtype torch.float32\n")),
     "ambient_dtype_in_key_ok": (c_ambient_dtype_in_key_ok, OK),
+    "index_error_in_every_shard": (c_index_error_in_every_shard, E("IndexError", r"^index out of range in self$")),
 }
 
 FATAL = {
