@@ -18,23 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 
+from bench_random import median_ms
 from sharded import Mesh, P, launch, sync
 from transforms import pjit
 
 
 def _median_us(fn, iters: int) -> float:
-    for _ in range(20):
-        fn()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2] * 1e6
+    return median_ms(fn, iters) * 1e3
 
 
 def _rank(world: int, iters: int) -> dict:

@@ -298,20 +298,10 @@ class Pjit:
         return _Signature(mesh, leaves, treedef, static, nums, key)
 
     def _static_argnums_for(self, nargs: int) -> tuple:
-        out = []
-        for i in self.static_argnums:
-            j = i + nargs if i < 0 else i
-            if not 0 <= j < nargs:
-                raise ValueError(
-                    f"{self.name}: static_argnums has {i}, but the call has {nargs} "
-                    f"positional args; static_argnums index the positional arguments "
-                    f"(negative ones count from the end)."
-                )
-            out.append(j)
-        if len(set(out)) != len(out):
-            raise ValueError(f"{self.name}: static_argnums {self.static_argnums} name the same "
-                             f"argument twice for a call with {nargs} positional args.")
-        return tuple(sorted(out))
+        if all(i >= 0 for i in self.static_argnums) and all(i < nargs for i in self.static_argnums):
+            return self.static_argnums                      # the common case, resolved
+        return _resolve_argnums(self.static_argnums, nargs, self.name, "static_argnums",
+                                f"the call has {nargs} positional args")
 
     def _cache(self) -> collections.OrderedDict:
         if self._anchor is None or self._config is None:
@@ -539,20 +529,27 @@ def _argnums(fn, nums, what: str, api: str) -> tuple:
         params = None
     if params is not None and not any(p.kind is p.VAR_POSITIONAL for p in params):
         n = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
-        out = []
-        for i in nums:
-            j = i + n if i < 0 else i
-            if not 0 <= j < n:
-                raise ValueError(
-                    f"{api}: {what} has {i}, but the function takes {n} positional "
-                    f"argument(s); {what} index its positional parameters (negative ones "
-                    f"count from the end)."
-                )
-            out.append(j)
-        nums = tuple(out)
+        return _resolve_argnums(nums, n, api, what, f"the function takes {n} positional argument(s)")
     if len(set(nums)) != len(nums):
         raise ValueError(f"{api}: {what} {nums!r} names an argument twice.")
     return tuple(sorted(nums))
+
+
+def _resolve_argnums(nums: tuple, n: int, api: str, what: str, against: str) -> tuple:
+    """``nums`` as sorted indices in [0, n), negative ones counted from the end;
+    ``against`` says what ``n`` counts (for the error)."""
+    out = []
+    for i in nums:
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise ValueError(
+                f"{api}: {what} has {i}, but {against}; {what} index the positional "
+                f"arguments (negative ones count from the end)."
+            )
+        out.append(j)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{api}: {what} {tuple(nums)!r} names an argument twice.")
+    return tuple(sorted(out))
 
 
 _PLAIN_STATIC = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype,
