@@ -242,6 +242,152 @@ def suspend_dispatch_modes():
     return _disable_current_modes()
 
 
+# -- failures: the store every rank can read, and closing process groups ----------------
+
+def default_store():
+    """The c10d store of the default process group (every rank can read it)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+# NOTE [Closing gloo connections]
+# gloo closes a group's TCP connections only when its ProcessGroup object is freed;
+# ``abort()`` and ``shutdown()`` leave them open, and a peer blocked on the group stays
+# blocked. ``destroy_process_group`` drops torch's own registries, but two more holders
+# keep groups alive: every DeviceMesh keeps its groups in ``_pg_registry``, and
+# ``torch.distributed.nn.functional`` binds ``group.WORLD`` as a default argument when
+# it is first imported (dynamo imports it the first time a DTensor is made). With
+# those cleared the groups are freed and their peers see "Connection closed by peer"
+# within a second. A group that user code still holds stays open: its peers then wait
+# for their own timeout (or for this process to exit).
+def release_process_groups() -> None:
+    """Destroy every process group of this process and drop the references that
+    would keep gloo's connections open (NOTE [Closing gloo connections])."""
+    import gc
+    import sys
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - already half torn down
+            pass
+    for obj in gc.get_objects():
+        # (not isinstance: DeviceMesh's metaclass inspects every object it is asked about)
+        if DeviceMesh in type(obj).__mro__:
+            registry = getattr(obj, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    if functional is not None:
+        for fn in list(vars(functional).values()):
+            defaults = getattr(fn, "__defaults__", None)
+            if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+                fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d
+                                        for d in defaults)
+    gc.collect()
+
+
+def written_tensors(func, args, kwargs) -> list:
+    """The tensors an op overload writes into (its ``(a!)`` arguments)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
+def is_tracing_tensor(x: torch.Tensor) -> bool:
+    """A fake tensor, or a torch.func / functionalization wrapper: a value that exists
+    only while a function is traced."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return (isinstance(x, (FakeTensor, FunctionalTensor)) or is_functorch_wrapped(x)
+            or torch._is_functional_tensor(x))
+
+
+# NOTE [Bounded caches]
+# A compile makes several fx.GraphModules (the traced global program, its
+# functionalized form, the expansion, the passes' recompiles), and torch.fx keeps the
+# source of every one it ever generated (``torch.fx.graph_module._loader.eval_cache``
+# and a ``linecache`` entry, for tracebacks) for the life of the process: ~16 KB per
+# compile that outlives the program. pjit drops the sources of the graph modules a
+# compile made and did not keep as soon as it ends, and those of the kept ones
+# (``Lowered.global_graph``/``local_graph``) when they are freed. Process-wide caches
+# that grow with every new shape (the fake-tensor dispatch cache, DTensor's
+# sharding-propagation and redistribute-plan caches, which pjit turns on while
+# expanding) are cleared when they pass ``_CACHE_LIMIT`` entries.
+
+_CACHE_LIMIT = 4096
+
+
+def fx_source_mark() -> int:
+    """A mark before a compile: sources generated after it are that compile's."""
+    from torch.fx.graph_module import _loader
+
+    return _loader.next_id
+
+
+def release_fx_sources(since: int, keep=()) -> None:
+    """Forget the generated sources of graph modules made since ``since``, except
+    those of ``keep`` (forgotten when each of them is freed)."""
+    import weakref
+
+    from torch.fx.graph_module import _loader
+
+    kept = {}
+    for gm in keep:
+        key = getattr(getattr(type(gm), "forward", None), "__code__", None)
+        if key is not None:
+            kept[key.co_filename] = gm
+    for key in list(_loader.eval_cache):
+        if _source_id(key) >= since and key not in kept:
+            _drop_source(key)
+    for key, gm in kept.items():
+        weakref.finalize(gm, _drop_source, key)
+
+
+def _source_id(key: str) -> int:
+    try:
+        return int(key.split(".", 1)[1].split(" ", 1)[0])
+    except (IndexError, ValueError):
+        return -1
+
+
+def _drop_source(key: str) -> None:
+    import linecache
+
+    from torch.fx.graph_module import _loader
+
+    _loader.eval_cache.pop(key, None)
+    linecache.cache.pop(key, None)
+
+
+def bound_process_caches() -> None:
+    """Clear the process-wide caches that grow with every new shape once they pass
+    ``_CACHE_LIMIT`` entries (NOTE [Bounded caches])."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import _redistribute
+
+    if len(FakeTensorMode.cache) > _CACHE_LIMIT:
+        FakeTensorMode.cache_clear()
+    prop = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    if prop.cache_info().currsize > _CACHE_LIMIT:
+        prop.cache_clear()
+    if _redistribute._gen_transform_infos.cache_info().currsize > _CACHE_LIMIT:
+        _redistribute._gen_transform_infos.cache_clear()
+
+
 def planned_redistributions(op, args, kwargs) -> list[tuple[torch.Tensor, tuple, tuple]]:
     """The input redistributions DTensor will perform before running ``op`` on
     ``args``: ``(local tensor of the DTensor input, its placements, the placements

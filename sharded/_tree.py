@@ -1,11 +1,14 @@
 """Pytree helpers: specs given as pytree prefixes, with key paths in every error.
 
 Pytrees are optree pytrees with ``None`` as a leaf (so an argument that is None is a
-static leaf, and a spec that is None means "replicated").
+static leaf, and a spec that is None means "replicated"), in optree's ``"sharded"``
+namespace: the built-in containers, plus the types registered with
+``register_dataclass`` / ``register_pytree_node``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import optree
@@ -13,10 +16,40 @@ import optree
 from sharded.spec import P
 
 NONE_IS_LEAF = True
+NAMESPACE = "sharded"
+
+__all__ = ["register_dataclass", "register_pytree_node"]
+
+
+def register_dataclass(cls: type) -> type:
+    """Make instances of the dataclass ``cls`` pytree nodes whose children are its
+    fields (those set by ``__init__``), so that pjit, shard_map and shard see the
+    tensors inside them (in arguments and in outputs). Usable as a decorator; frozen
+    dataclasses work too. Paths in errors read ``args[0].field``."""
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"register_dataclass expects a dataclass type; got {cls!r}.")
+    names = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    def flatten_fn(x):
+        return [getattr(x, n) for n in names], None, names
+
+    def unflatten_fn(_, children):
+        return cls(**dict(zip(names, children)))
+
+    optree.register_pytree_node(cls, flatten_fn, unflatten_fn,
+                                path_entry_type=optree.GetAttrEntry, namespace=NAMESPACE)
+    return cls
+
+
+def register_pytree_node(cls: type, flatten_fn: Callable, unflatten_fn: Callable) -> type:
+    """Register a container type (``flatten_fn(x) -> (children, aux, keys)``,
+    ``unflatten_fn(aux, children) -> x``, as optree's) for pjit, shard_map and shard."""
+    optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)
+    return cls
 
 
 def flatten(tree):
-    return optree.tree_flatten(tree, none_is_leaf=NONE_IS_LEAF)
+    return optree.tree_flatten(tree, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
 
 
 def unflatten(treedef, leaves):
@@ -32,6 +65,8 @@ def fmt_entry(kind, entry) -> str:
         return f"[{entry!r}]"
     if kind == optree.PyTreeKind.NAMEDTUPLE or kind == optree.PyTreeKind.STRUCTSEQUENCE:
         return f".{entry}" if isinstance(entry, str) else f"[{entry}]"
+    if kind == optree.PyTreeKind.CUSTOM and isinstance(entry, str) and entry.isidentifier():
+        return f".{entry}"
     return f"[{entry!r}]"
 
 
@@ -50,20 +85,22 @@ def broadcast_prefix(
 
 
 def _children(x):
-    children, _meta, entries, _ = optree.tree_flatten_one_level(x, none_is_leaf=NONE_IS_LEAF)
-    kind = optree.tree_structure(x, none_is_leaf=NONE_IS_LEAF).kind
+    children, _meta, entries, _ = optree.tree_flatten_one_level(
+        x, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
+    kind = optree.tree_structure(x, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE).kind
     return children, entries, kind
 
 
 def _walk(pfx, sub, path, out, is_leaf):
     if is_leaf(pfx):
-        n = len(optree.tree_leaves(sub, none_is_leaf=NONE_IS_LEAF))
+        n = len(optree.tree_leaves(sub, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE))
         out.extend([(path, pfx)] * n)
         return
-    if optree.treespec_is_leaf(optree.tree_structure(pfx, none_is_leaf=NONE_IS_LEAF)):
+    if optree.treespec_is_leaf(optree.tree_structure(pfx, none_is_leaf=NONE_IS_LEAF,
+                                                     namespace=NAMESPACE)):
         hint = f" Did you mean P({pfx!r})?" if isinstance(pfx, str) else ""
         raise TypeError(f"{path} is {pfx!r}; expected P(...), None, or a container.{hint}")
-    sub_struct = optree.tree_structure(sub, none_is_leaf=NONE_IS_LEAF)
+    sub_struct = optree.tree_structure(sub, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
     if optree.treespec_is_leaf(sub_struct):
         raise ValueError(
             f"{path} is a {type(pfx).__name__}, but the argument there is "
@@ -110,7 +147,8 @@ def _describe(x) -> str:
 
 def leaf_paths(tree, name: str) -> list[str]:
     """Key path of every leaf of ``tree``, e.g. ``args[0]['w']``."""
-    accessors, _leaves, _ = optree.tree_flatten_with_accessor(tree, none_is_leaf=NONE_IS_LEAF)
+    accessors, _leaves, _ = optree.tree_flatten_with_accessor(
+        tree, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
     return [a.codify(name) for a in accessors]
 
 

@@ -3,12 +3,14 @@ with_sharding_constraint, visualize_sharding."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import itertools
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from sharded import _tree
+from sharded import _tree, sync
 from sharded.mesh import Mesh, current_mesh
 from sharded.spec import P, block, check_spec, from_placements, local_slice, to_placements
 
@@ -60,9 +62,9 @@ def place(x: torch.Tensor, placements, mesh: Mesh) -> DTensor:
 def gather(tree):
     """Every DTensor of ``tree`` as a full plain tensor on every rank."""
     leaves, treedef = _tree.flatten(tree)
-    return _tree.unflatten(
-        treedef, [x.full_tensor() if isinstance(x, DTensor) else x for x in leaves]
-    )
+    with sync.peer_failures("gather"):
+        full = [x.full_tensor() if isinstance(x, DTensor) else x for x in leaves]
+    return _tree.unflatten(treedef, full)
 
 
 def spec_of(x: DTensor) -> P:
@@ -77,28 +79,31 @@ def spec_of(x: DTensor) -> P:
 # with_sharding_constraint: an identity op that the partitioner honours
 # ---------------------------------------------------------------------------
 
-_SPEC_IDS: dict[P, int] = {}
-_SPECS: list[P] = []
+# NOTE [The constraint's spec travels as text]
+# The op carries its spec as the text of its entries (``"('dp', None)"``), not as an
+# id into a process-wide table: a table grows with every new spec for the life of the
+# process, needs a lock, and gives the same spec different ids on different ranks
+# (which would make equal programs look different to the cross-rank agreement).
 
 
-def _spec_id(spec: P) -> int:
-    if spec not in _SPEC_IDS:
-        _SPEC_IDS[spec] = len(_SPECS)
-        _SPECS.append(spec)
-    return _SPEC_IDS[spec]
+def spec_text(spec: P) -> str:
+    """The op argument for ``spec`` (read back by ``constraint_spec``)."""
+    return repr(tuple(spec))
 
 
-def constraint_spec(spec_id: int) -> P:
-    return _SPECS[spec_id]
+@functools.lru_cache(maxsize=256)
+def constraint_spec(text: str) -> P:
+    """The P that ``spec_text`` wrote."""
+    return P(*ast.literal_eval(text))
 
 
 @torch.library.custom_op("sharded::sharding_constraint", mutates_args=())
-def _constraint(x: torch.Tensor, spec_id: int) -> torch.Tensor:
+def _constraint(x: torch.Tensor, spec: str) -> torch.Tensor:
     return x.clone()
 
 
 @_constraint.register_fake
-def _(x, spec_id):
+def _(x, spec):
     return torch.empty_like(x)
 
 
@@ -110,16 +115,16 @@ class _Constraint(torch.autograd.Function):
     transpose of a sharding constraint)."""
 
     @staticmethod
-    def forward(x, spec_id):
-        return CONSTRAINT_OP(x, spec_id)
+    def forward(x, spec):
+        return CONSTRAINT_OP(x, spec)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.spec_id = inputs[1]
+        ctx.spec = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):
-        return _Constraint.apply(grad, ctx.spec_id), None
+        return _Constraint.apply(grad, ctx.spec), None
 
 
 def with_sharding_constraint(x: torch.Tensor, spec: P, mesh: Mesh | None = None):
@@ -134,7 +139,7 @@ def with_sharding_constraint(x: torch.Tensor, spec: P, mesh: Mesh | None = None)
         mesh = mesh or Mesh.from_device_mesh(x.device_mesh)
         check_spec(spec, x.shape, mesh, "with_sharding_constraint spec")
         return x.redistribute(mesh.device_mesh, to_placements(spec, mesh))
-    return _Constraint.apply(x, _spec_id(spec))
+    return _Constraint.apply(x, spec_text(spec))
 
 
 # ---------------------------------------------------------------------------

@@ -5,23 +5,28 @@
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import threading
+import weakref
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from sharded import _torch
+from sharded import _torch, sync
 
 __all__ = ["Mesh", "current_mesh"]
 
 # Meshes are collective to create (one process group per axis), so equal meshes are
 # shared: tests and notebooks that build Mesh((2,), ("dp",)) many times reuse one.
+# Bounded by the distinct (shape, names, device type) a program uses.
 _CACHE: dict[tuple, "Mesh"] = {}
+# Meshes over user-made DeviceMeshes live as long as someone holds them (a dict keyed
+# by id() would keep every DeviceMesh alive, and could hand a reused id a stale mesh).
+_FROM_DM: "weakref.WeakValueDictionary[int, Mesh]" = weakref.WeakValueDictionary()
+_LOCK = threading.RLock()
 _STACK = threading.local()
 
 
@@ -39,13 +44,21 @@ class Mesh:
 
     def __new__(cls, shape: Sequence[int], axis_names: Sequence[str], *, device_type=None):
         shape, axis_names = _check_args(shape, axis_names)
+        sync.check_usable(f"Mesh{shape}")
         _ensure_process_group(shape, device_type)
         device_type = device_type or _default_device_type()
         key = (id(dist.group.WORLD), shape, axis_names, device_type)
-        if key not in _CACHE:
-            dm = init_device_mesh(device_type, shape, mesh_dim_names=axis_names)
-            _CACHE[key] = cls._from_dm(dm)
-        return _CACHE[key]
+        with _LOCK:
+            if key not in _CACHE:
+                dm = init_device_mesh(device_type, shape, mesh_dim_names=axis_names)
+                mesh = cls._from_dm(dm)
+                # Creating a mesh is collective anyway: make the agreement's group
+                # now, in the same order on every rank.
+                sync.group_for(mesh)
+                if mesh.size() > 1:
+                    sync.install_excepthook()
+                _CACHE[key] = mesh
+            return _CACHE[key]
 
     @classmethod
     def from_device_mesh(cls, device_mesh: DeviceMesh) -> "Mesh":
@@ -56,11 +69,14 @@ class Mesh:
                 "Mesh.from_device_mesh needs a DeviceMesh with mesh_dim_names; build it "
                 "with init_device_mesh(..., mesh_dim_names=(...))."
             )
-        for mesh in _CACHE.values():
-            if mesh.device_mesh is device_mesh:
-                return mesh
-        mesh = _CACHE[("from", id(device_mesh))] = cls._from_dm(device_mesh)
-        return mesh
+        with _LOCK:
+            for mesh in _CACHE.values():
+                if mesh.device_mesh is device_mesh:
+                    return mesh
+            mesh = _FROM_DM.get(id(device_mesh))
+            if mesh is None or mesh.device_mesh is not device_mesh:
+                mesh = _FROM_DM[id(device_mesh)] = cls._from_dm(device_mesh)
+            return mesh
 
     @classmethod
     def _from_dm(cls, dm: DeviceMesh) -> "Mesh":
@@ -69,7 +85,6 @@ class Mesh:
         self.axis_names = tuple(dm.mesh_dim_names)
         self.shape = tuple(dm.mesh.shape)
         self.device_type = dm.device_type
-        self._sync_group = None
         self._group_axes = {}
         for i, name in enumerate(self.axis_names):
             self._group_axes[dm.get_group(i).group_name] = name
@@ -107,15 +122,9 @@ class Mesh:
         return self._group_axes.get(group_name)
 
     def sync_group(self):
-        """A gloo group over the whole mesh with a bounded timeout, used to compare
-        programs across ranks at compile time (so a bad rank errors, not hangs)."""
-        if self._sync_group is None:
-            secs = float(os.environ.get("SHARDED_SYNC_TIMEOUT", "300"))
-            ranks = sorted(self.device_mesh.mesh.flatten().tolist())
-            self._sync_group = dist.new_group(
-                ranks, backend="gloo", timeout=datetime.timedelta(seconds=secs)
-            )
-        return self._sync_group
+        """The gloo group (bounded timeout) over the mesh's ranks that pjit's
+        cross-rank agreement uses (``sharded.sync.group_for``); None for one rank."""
+        return sync.group_for(self)
 
     # -- context manager ------------------------------------------------------
     def __enter__(self):

@@ -1,56 +1,169 @@
-"""Cross-rank agreement at compile time.
+"""Cross-rank agreement, and failures that reach every rank.
 
-Every rank builds its own program. If one rank's program differs (another input
-shape, a rank-dependent Python branch) or fails to build, the others would wait in
-its first collective forever. Before the first run, ranks exchange a digest of their
-collective sequence (or their error) over a gloo group with a bounded timeout
-(``SHARDED_SYNC_TIMEOUT``, default 300 s) and all fail together with a readable diff.
+Every rank builds and runs its own program. Two things would otherwise hang the
+others: a rank that calls with another signature (another shape, another static
+value, a cache hit where the others miss), and a rank that fails, in compile or in a
+step, while the others wait in a collective. This module turns both into exceptions
+on every rank, within seconds, carrying the cause.
+
+# NOTE [Agreement on every call]
+Before a program runs, the ranks of its mesh all-reduce (MAX) a pair ``[t, -t]`` of
+int64 over a gloo group of their own (``group_for``): ``t`` is a 62-bit digest of
+everything that must be equal on every rank (the program's fingerprint, how the
+inputs will be redistributed, the random state). One tiny collective per call; the
+ranks compare ``max(t) == min(t)``. Only when they differ, or some rank failed to
+build its program, or the random seed must be settled, do they exchange the full
+description (``all_gather_objects``): every rank then raises the same verdict, the
+failing rank its own exception, the others ``RankFailedError`` with its error and
+traceback, or ``RankMismatchError`` with the first differing line. Because it runs
+on every call, a rank that hits its cache while another misses cannot slip past it.
+
+# NOTE [Failures reach every rank]
+A rank that fails while its program runs (after the agreement: an IndexError in its
+shard, a KeyboardInterrupt) cannot tell the others through a collective: they are
+blocked in one. It publishes its error and traceback to the c10d store (which every
+rank can read) and then releases its process groups (``_torch.release_process_groups``):
+gloo closes their connections, and a peer blocked on one fails within a second. The
+peer sees a communication error, reads the store and raises ``RankFailedError`` with
+the failing rank's own error; it releases its groups too, so ranks further away fail
+as well. A rank that died (killed, ``os._exit``) publishes nothing: its peers see the
+connection close and say so. After a release the process cannot communicate any
+more: later calls raise at once (``check_usable``); ``launch``/``RankPool`` start
+fresh ranks. The agreement's own group has a bounded timeout
+(``SHARDED_SYNC_TIMEOUT``, default 300 s), the last resort when a rank is stuck
+without failing.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import datetime
+import hashlib
+import os
 import pickle
+import sys
+import threading
+import traceback as _traceback
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from sharded import _torch
+
+__all__ = ["RankMismatchError", "RankFailedError", "Outcome", "agree", "run_guarded",
+           "check_usable", "publish", "release", "released", "group_for"]
+
+FORCE = 1 << 62                     # a token that makes every rank take the full exchange
+_MASK = FORCE - 1
+
 
 class RankMismatchError(RuntimeError):
-    """Ranks built different programs, or some rank failed to build its program."""
+    """Ranks called a program with different signatures or built different programs."""
 
 
-def agree(mesh, api: str, outcome) -> None:
-    """All ranks of ``mesh`` call this with either ``(digest, lines)`` or the exception
-    their compile raised. Returns if every rank built the same program; otherwise
-    raises on every rank (the failing rank re-raises its own exception)."""
-    if mesh.size() == 1:
+class RankFailedError(RuntimeError):
+    """Another rank failed; ``rank`` is the failing rank (None if unknown), ``error``
+    its exception as text and ``remote_traceback`` its traceback."""
+
+    def __init__(self, message: str, *, rank: int | None = None, error: str = "",
+                 remote_traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.error = error
+        self.remote_traceback = remote_traceback
+
+
+# ---------------------------------------------------------------------------
+# Agreement
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What a rank brings to the agreement of one call.
+
+    - ``program``: a digest (< 2**62) of the program and of how this call's inputs
+      are laid out; equal on every rank of a correct SPMD program.
+    - ``lines``: the readable form of that digest, computed only on a mismatch.
+    - ``rng``: ``(seed or None, offset, this rank's torch.initial_seed())`` when the
+      program draws random numbers, else None.
+    """
+
+    program: int
+    lines: Callable[[], list[str]]
+    rng: tuple | None = None
+
+
+def token(*parts) -> int:
+    """A stable (not per-process salted) 62-bit digest of ``parts``' text."""
+    data = "\x1f".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _MASK
+
+
+def agree(mesh, api: str, outcome) -> list | None:
+    """All ranks of ``mesh`` call this once per call of a program, with an
+    ``Outcome`` or the exception that stopped them before running. Returns None when
+    every rank brought the same program and random state (the common, one-collective
+    path); after a full exchange, the list of every rank's ``rng`` (to settle the
+    seed). Otherwise raises on every rank (see NOTE [Agreement on every call]).
+    ``mesh`` None: the world (a rank that could not even find its mesh)."""
+    check_usable(api)
+    group = group_for(mesh)
+    if group is None:                          # one rank: nothing to compare
         if isinstance(outcome, BaseException):
             raise outcome
-        return
+        return [outcome.rng] if outcome.rng is not None and outcome.rng[0] is None else None
     if isinstance(outcome, BaseException):
-        payload = ("error", f"{type(outcome).__name__}: {outcome}")
+        t = FORCE
+    elif outcome.rng is None:
+        t = outcome.program
+    elif outcome.rng[0] is None:
+        t = FORCE                              # the seed must be settled together
     else:
-        payload = ("ok",) + tuple(outcome)
-    gathered = all_gather_objects(payload, mesh.sync_group())
+        t = token(outcome.program, outcome.rng[0], outcome.rng[1])
+    buf = torch.tensor([t, -t], dtype=torch.int64)
+    try:
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    except Exception as e:  # noqa: BLE001 - a peer failed or died
+        raise _peer_failure(api, e, "before running its program") from None
+    hi, neg_lo = buf.tolist()
+    if hi == -neg_lo and hi < FORCE:
+        return None
+    return _exchange(group, api, outcome)
+
+
+def _exchange(group, api: str, outcome) -> list:
     me = dist.get_rank()
-    errors = {r: p[1] for r, p in enumerate(gathered) if p[0] == "error"}
+    if isinstance(outcome, BaseException):
+        payload = ("error", me, _describe(outcome), _format_tb(outcome))
+    else:
+        payload = ("ok", me, outcome.program, outcome.lines(), outcome.rng)
+    try:
+        gathered = all_gather_objects(payload, group)
+    except Exception as e:  # noqa: BLE001
+        raise _peer_failure(api, e, "before running its program") from None
+    errors = [p for p in gathered if p[0] == "error"]
     if errors:
         if isinstance(outcome, BaseException):
             raise outcome
-        r = min(errors)
-        raise RankMismatchError(
-            f"{api}: rank {r} failed to build its program, so rank {me} stops too:\n"
-            f"  {errors[r]}"
-        )
-    digests = {p[1] for p in gathered}
-    if len(digests) == 1:
-        return
-    raise RankMismatchError(f"{api}: ranks built different programs.\n" + _diff(gathered))
+        _, r, err, tb = errors[0]
+        raise RankFailedError(
+            f"{api}: rank {r} failed to build its program, so rank {me} stops too:\n  {err}"
+            + (f"\n(and {len(errors) - 1} other rank(s))" if len(errors) > 1 else ""),
+            rank=r, error=err, remote_traceback=tb,
+        ) from None
+    if len({p[2] for p in gathered}) > 1:
+        raise RankMismatchError(f"{api}: ranks called it with different arguments or built "
+                                f"different programs.\n" + _diff(gathered)) from None
+    return [p[4] for p in gathered]
 
 
 def all_gather_objects(obj, group) -> list:
     """Every rank's picklable ``obj`` (in rank order), as pickled bytes in uint8 tensors.
-    (torch's all_gather_object needs numpy, which torch does not install.)"""
+    (torch's all_gather_object goes through numpy.)"""
     data = pickle.dumps(obj)
     n = dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64)
@@ -65,20 +178,320 @@ def all_gather_objects(obj, group) -> list:
 
 
 def _diff(gathered) -> str:
-    ref_rank = 0
-    ref = gathered[0][2]
-    for r, p in enumerate(gathered):
-        lines = p[2]
-        if p[1] == gathered[ref_rank][1]:
+    ref = gathered[0]
+    for p in gathered[1:]:
+        if p[2] == ref[2]:
             continue
-        for i in range(max(len(ref), len(lines))):
-            a = ref[i] if i < len(ref) else "<nothing>"
-            b = lines[i] if i < len(lines) else "<nothing>"
+        a_lines, b_lines = ref[3], p[3]
+        for i in range(max(len(a_lines), len(b_lines))):
+            a = a_lines[i] if i < len(a_lines) else "<nothing>"
+            b = b_lines[i] if i < len(b_lines) else "<nothing>"
             if a != b:
                 return (
-                    f"  rank {r} differs from rank {ref_rank} at item {i} of its program "
-                    f"signature:\n    rank {ref_rank}: {a}\n    rank {r}: {b}\n"
-                    f"  Every rank must call with the same global shapes, dtypes, specs "
-                    f"and static arguments."
+                    f"  rank {p[1]} differs from rank {ref[1]} at item {i} of its program "
+                    f"signature:\n    rank {ref[1]}: {a}\n    rank {p[1]}: {b}\n"
+                    f"  Every rank must call with the same global shapes, dtypes, specs, input "
+                    f"layouts and static arguments, and the function must not depend on the "
+                    f"rank."
                 )
+        return f"  rank {p[1]} and rank {ref[1]} differ in a way their descriptions do not show."
     return "  (digests differ)"
+
+
+_GROUPS: dict[tuple, object] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+def group_for(mesh):
+    """The gloo group (bounded timeout) that the ranks of ``mesh`` agree over; None for
+    a mesh of one rank. One group per set of ranks: every mesh over the whole world
+    shares one. ``mesh`` None: the world's."""
+    if not dist.is_initialized():
+        return None
+    if mesh is None:
+        ranks = tuple(range(dist.get_world_size()))
+    else:
+        if mesh.size() == 1:
+            return None
+        ranks = tuple(sorted(mesh.device_mesh.mesh.flatten().tolist()))
+    if len(ranks) == 1:
+        return None
+    with _GROUPS_LOCK:
+        if ranks not in _GROUPS:
+            secs = float(os.environ.get("SHARDED_SYNC_TIMEOUT", "300"))
+            world = len(ranks) == dist.get_world_size()
+            _GROUPS[ranks] = dist.new_group(
+                list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=secs),
+                use_local_synchronization=not world,
+            )
+        return _GROUPS[ranks]
+
+
+# ---------------------------------------------------------------------------
+# Failures
+# ---------------------------------------------------------------------------
+
+_KEY = "sharded/failure/{}"
+_STATE = {"released": None, "published": False, "epoch": 0, "store": None, "rank": -1,
+          "world": 0, "calls": 0}
+_LOCK = threading.Lock()
+
+
+def released() -> str | None:
+    """Why this rank's process groups were closed, or None while they are usable."""
+    return _STATE["released"]
+
+
+def check_usable(api: str) -> None:
+    if _STATE["released"] is not None:
+        raise RankFailedError(
+            f"{api}: this rank's process groups were closed after {_STATE['released']}; "
+            f"the ranks cannot communicate any more. Restart the program (sharded.launch "
+            f"and RankPool start fresh ranks)."
+        )
+
+
+def set_epoch(epoch: int) -> None:
+    """Start a new job (RankPool): forget this rank's published failure of the last
+    one, so that peers never read a stale record."""
+    with _LOCK:
+        if _STATE["published"]:
+            store = _store()
+            if store is not None:
+                try:
+                    store.delete_key(_KEY.format(_STATE["rank"]))
+                except Exception:  # noqa: BLE001
+                    pass
+        _STATE["published"] = False
+        _STATE["epoch"] = epoch
+        _STATE["calls"] = 0
+
+
+def publish(exc: BaseException, api: str, where: str) -> None:
+    """Write this rank's failure (error and traceback) where every rank can read it
+    (the c10d store). Once per rank; a RankFailedError (an echo of another rank's
+    failure) is not published."""
+    if isinstance(exc, RankFailedError) or not _multi_rank():
+        return
+    with _LOCK:
+        if _STATE["published"]:
+            return
+        store = _store()
+        if store is None:
+            return
+        record = {"rank": _STATE["rank"], "api": api, "where": where, "epoch": _STATE["epoch"],
+                  "error": _describe(exc), "traceback": _format_tb(exc)}
+        try:
+            store.set(_KEY.format(record["rank"]), pickle.dumps(record))
+            _STATE["published"] = True
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
+            pass
+
+
+def release(reason: str, wait: float = 0.0) -> None:
+    """Close this rank's process groups so that peers blocked on them fail fast
+    (NOTE [Failures reach every rank]). It runs in the background (a collective stuck
+    in flight can block it; the exception should not wait for it), up to ``wait``
+    seconds in the foreground; this rank counts as released at once."""
+    with _LOCK:
+        if _STATE["released"] is not None or not dist.is_initialized():
+            return
+        _store()                               # keep the store alive: peers read it
+        _STATE["released"] = reason
+        _GROUPS.clear()
+    done = threading.Thread(target=_torch.release_process_groups, daemon=True,
+                            name="sharded-release")
+    done.start()
+    _RELEASING.append(done)
+    if wait:
+        done.join(timeout=wait)
+
+
+_RELEASING: list = []
+
+
+@atexit.register
+def _finish_releasing() -> None:
+    # A release still running in a daemon thread when the interpreter finalizes would
+    # abort the process inside gloo (SIGABRT); give it a bounded time to finish.
+    for t in _RELEASING:
+        t.join(timeout=10.0)
+
+
+def run_guarded(api: str, fn, *args, mesh=None):
+    """``fn(*args)`` (a program's run, an eager shard_map body), where a failure
+    reaches every rank: a communication error caused by another rank becomes
+    RankFailedError with that rank's error; this rank's own error is re-raised, and,
+    unless every rank of ``mesh`` failed alike (NOTE [Failures alike]), published
+    with this rank's groups released first."""
+    with _LOCK:
+        _STATE["calls"] += 1
+        call = _STATE["calls"]
+    try:
+        return fn(*args)
+    except BaseException as e:
+        if not _multi_rank():
+            raise
+        if _is_comm_error(e):
+            raise _peer_failure(api, e, "while running its program") from None
+        if mesh is not None and _failed_alike(mesh, call, e):
+            raise
+        me = dist.get_rank()
+        publish(e, api, "while running its program")
+        e.add_note(f"({api} failed on rank {me} while running; its process groups were "
+                   f"closed so that the other ranks stop too.)")
+        release(f"rank {me} failed in {api}")
+        raise
+
+
+# NOTE [Failures alike]
+# The same bad input often fails every rank at the same op (an index out of range in
+# every shard, a typo in an eager shard_map body). Then no rank waits in a collective
+# and the process groups can stay usable. A rank that fails writes its error's text
+# to the store under the call's number (every rank counts its guarded calls; SPMD
+# programs count alike) and waits up to ALIKE_WAIT seconds for the other ranks of the
+# mesh: if all of them failed with the same text, it just raises; otherwise it takes
+# the failure path (publish, release). A rank that gives up too early only makes the
+# others fail a collective later, with its error: never a hang.
+ALIKE_WAIT = 2.0
+
+
+def _failed_alike(mesh, call: int, e: BaseException) -> bool:
+    import time
+
+    store = _store()
+    if store is None:
+        return False
+    ranks = sorted(mesh.device_mesh.mesh.flatten().tolist())
+    keys = [f"sharded/alike/{_STATE['epoch']}/{call}/{r}" for r in ranks]
+    text = _describe(e)
+    try:
+        store.set(keys[ranks.index(_STATE["rank"])], text.encode())
+        deadline = time.monotonic() + ALIKE_WAIT
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return all(store.get(k).decode() == text for k in keys)
+    except Exception:  # noqa: BLE001 - the store is gone: take the failure path
+        return False
+
+
+@contextlib.contextmanager
+def peer_failures(api: str):
+    """Inside: a communication error caused by another rank's failure becomes
+    RankFailedError with that rank's error (eager collectives outside pjit)."""
+    try:
+        yield
+    except Exception as e:
+        if _multi_rank() and _is_comm_error(e):
+            raise _peer_failure(api, e, "") from None
+        raise
+
+
+def _peer_failure(api: str, e: BaseException, where: str) -> RankFailedError:
+    """The error to raise when a collective failed because of another rank."""
+    if isinstance(e, RankFailedError):
+        return e
+    _store()
+    me = _STATE["rank"]
+    record = _read_failure(exclude=me)
+    release(f"a failure on another rank ({api})")
+    if record is not None:
+        err = RankFailedError(
+            f"{api}: rank {record['rank']} failed {record['where']} ({record['api']}), so "
+            f"rank {me} stops too:\n  {record['error']}",
+            rank=record["rank"], error=record["error"], remote_traceback=record["traceback"],
+        )
+        err.add_note(f"rank {record['rank']}'s traceback:\n{record['traceback'].rstrip()}")
+        return err
+    return RankFailedError(
+        f"{api}: another rank stopped responding{' ' + where if where else ''} (its connection closed or timed "
+        f"out) without reporting an error: it was killed, ran out of memory, called "
+        f"os._exit, or is stuck. See that rank's own output. Rank {me} stops too.\n"
+        f"  {_describe(e)[:300]}",
+        error=_describe(e),
+    )
+
+
+def _read_failure(exclude: int, wait: float = 0.5) -> dict | None:
+    """The lowest rank's published failure of this epoch (waiting briefly: a peer
+    publishes before it releases, but a cascade may arrive first)."""
+    import time
+
+    store = _store()
+    if store is None:
+        return None
+    deadline = time.monotonic() + wait
+    while True:
+        for r in range(_STATE["world"]):
+            if r == exclude:
+                continue
+            try:
+                key = _KEY.format(r)
+                if store.check([key]):
+                    rec = pickle.loads(store.get(key))
+                    if rec.get("epoch") == _STATE["epoch"]:
+                        return rec
+            except Exception:  # noqa: BLE001 - the store's host died
+                return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _store():
+    if _STATE["store"] is None and dist.is_initialized():
+        try:
+            _STATE["store"] = _torch.default_store()
+            _STATE["rank"], _STATE["world"] = dist.get_rank(), dist.get_world_size()
+        except Exception:  # noqa: BLE001
+            return None
+    return _STATE["store"]
+
+
+def _multi_rank() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+_COMM_MARKERS = ("Connection closed", "Connection reset", "Broken pipe", "Socket Timeout",
+                 "gloo", "NCCL", "ProcessGroup", "process group", "Timed out")
+
+
+def _is_comm_error(e: BaseException) -> bool:
+    if isinstance(e, (RankFailedError, getattr(dist, "DistError", RankFailedError))):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _COMM_MARKERS)
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _format_tb(e: BaseException) -> str:
+    return "".join(_traceback.format_exception(type(e), e, e.__traceback__))
+
+
+# ---------------------------------------------------------------------------
+# Uncaught exceptions (torchrun): publish them before the process exits
+# ---------------------------------------------------------------------------
+
+_HOOKED = []
+
+
+def install_excepthook() -> None:
+    """Publish an uncaught exception of the main program before the process exits,
+    so that peers that see its connection close can say why (idempotent)."""
+    if _HOOKED:
+        return
+    previous = sys.excepthook
+
+    def hook(tp, value, tb):
+        try:
+            if isinstance(value, BaseException):
+                publish(value, "the main program", "with an uncaught exception")
+        finally:
+            previous(tp, value, tb)
+
+    sys.excepthook = hook
+    _HOOKED.append(previous)

@@ -176,8 +176,10 @@ def test_axes_out_of_mesh_order():
 
 
 def test_static_argnums_and_mode_are_checked(mesh1):
-    f = pjit(lambda x, n: x * n, in_specs=(P(),), static_argnums=(2,), mesh=mesh1)
-    with pytest.raises(ValueError, match=r"static_argnums has 2 but the call has 2 positional args"):
+    with pytest.raises(ValueError, match=r"static_argnums has 2, but the function takes 2 positional argument"):
+        pjit(lambda x, n: x * n, in_specs=(P(),), static_argnums=(2,), mesh=mesh1)
+    f = pjit(lambda *a: a[0] * a[1], in_specs=(P(),), static_argnums=(2,), mesh=mesh1)
+    with pytest.raises(ValueError, match=r"static_argnums has 2, but the call has 2 positional args"):
         f(torch.ones(2), 3)
     with pytest.raises(TypeError, match=r"pjit mode must be a sharded.modes.ParallelMode"):
         pjit(lambda x: x, in_specs=P(), mesh=mesh1, mode="dtensor")

@@ -25,7 +25,7 @@ def test_launch_returns_per_rank_results():
 def test_pool_reraises_the_rank_error_with_its_traceback(on_ranks):
     with pytest.raises(KeyError, match="boom on rank 1") as info:
         on_ranks(2, _fail_on_rank_1)
-    assert "raised on local ranks [1]" in "\n".join(info.value.__notes__)
+    assert "raised on local rank 1; ranks [1] failed" in "\n".join(info.value.__notes__)
     assert on_ranks(2, _whoami, 0) == [(0, 2), (1, 2)]  # the pool is still usable
 
 

@@ -24,7 +24,6 @@ from transforms import pjit, shard_map
 
 CASES: dict = {}          # name -> (fn, kinds, xfail reason)
 MESHES = {"ws2": (2, (2,), ("x",)), "ws4": (4, (4,), ("x",)), "2x2": (4, (2, 2), ("x", "y"))}
-ISSUE_10 = "function-keyed cache: issue 10 branch"
 
 
 def case(*kinds, xfail=None):
@@ -683,7 +682,7 @@ def _counted(count):
     return f
 
 
-@case("2d", xfail=ISSUE_10)
+@case("2d")
 def test_caching(mesh):
     """PJitTest.testCaching: wrapping the same function again does not retrace."""
     count = [0]
@@ -694,7 +693,7 @@ def test_caching(mesh):
     assert count[0] == 1, count
 
 
-@case("1d", xfail=ISSUE_10)
+@case("1d")
 def test_pjit_function_cache(mesh):
     """PJitTest.test_pjit_function_cache_cpp: ten wrappers of one function, one trace."""
     count = [0]

@@ -1,13 +1,23 @@
 """pjit: trace a pure function once per input signature, partition it for this rank,
 and run the per-rank program on DTensors.
 
-Pipeline (one direction): check -> key -> trace -> partition -> passes -> run.
+Pipeline (one direction): key -> cache -> check -> trace -> partition -> passes ->
+agree -> run.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import enum
 import functools
-from dataclasses import dataclass, field
+import inspect
+import os
+import re
+import threading
+import types
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -15,10 +25,10 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from sharded import _torch, _tree, random as srandom, sync
-from sharded.random.rewrite import rewrite_random_ops
 from sharded.mesh import Mesh, current_mesh
 from sharded.modes import DTensorExpandMode, ParallelMode
 from sharded.passes import fingerprint
+from sharded.random.rewrite import rewrite_random_ops
 from sharded.spec import P, check_spec, from_placements, local_slice, to_placements
 from transforms._trace import in_global_trace, mutated_inputs, trace_global
 from transforms.lowered import Lowered
@@ -51,19 +61,63 @@ def pjit(
       as the same global value on every rank and sliced locally.
     - ``out_specs``: a pytree prefix of the outputs; ``UNSPECIFIED`` keeps the layout
       that propagation gives (pending reductions are reduced to replicated).
-    - ``static_argnums``: positional args passed as Python values; each distinct
-      value traces a new program. Non-tensor leaves of the other args are static too.
+    - ``static_argnums``: positional args passed as Python values (negative numbers
+      count from the end, as in JAX); each distinct value traces a new program.
+      Non-tensor leaves of the other args are static too.
     - ``donate_argnums``: accepted for JAX compatibility; buffers are not reused yet.
 
-    The function is traced once per input signature (tree structure, shapes, dtypes,
-    static values, mesh, mode) and cached.
+    Programs are cached per function (weakly: they go when the function goes) and
+    configuration, so ``pjit(f, ...)(x)`` in a loop traces once, and per input
+    signature (tree structure, shapes, dtypes, static values, mesh, mode, default
+    dtype and autocast state). Before every run the ranks check that they call the
+    same program (one small collective; docs/concepts.md, "Cross-rank agreement").
     """
     if fn is None:
         return functools.partial(
             pjit, in_specs=in_specs, out_specs=out_specs, mesh=mesh, mode=mode,
             static_argnums=static_argnums, donate_argnums=donate_argnums,
         )
-    return Pjit(fn, in_specs, out_specs, mesh, mode, static_argnums)
+    return Pjit(fn, in_specs, out_specs, mesh, mode, static_argnums, donate_argnums)
+
+
+# ---------------------------------------------------------------------------
+# The program cache
+# ---------------------------------------------------------------------------
+
+# NOTE [The program cache is keyed on the function]
+# JAX caches on the function, not on the object jit returns: ``pjit(f, ...)(x)`` in a
+# loop must trace once. Programs live in a table keyed weakly on the function (for a
+# bound method, on its object, with the function in the key), so they go when the
+# function goes; under it, by the pjit configuration (in_specs and out_specs as
+# hashable trees, mode, static_argnums) and the call's signature, in an LRU of
+# SHARDED_CACHE_SIZE (default 64) programs per function, so 1,000 shapes do not grow
+# memory without bound. A function that cannot be weakly referenced or hashed, or a
+# configuration that cannot be hashed, falls back to a cache on the pjit object.
+# Lookups and inserts take a lock; compiles take another (tracing swaps module-level
+# state in torch), so two threads never trace at once.
+
+CACHE_SIZE = int(os.environ.get("SHARDED_CACHE_SIZE", "64"))
+_PROGRAMS: "weakref.WeakKeyDictionary[Any, collections.OrderedDict]" = weakref.WeakKeyDictionary()
+_CACHE_LOCK = threading.RLock()
+_COMPILE_LOCK = threading.RLock()
+
+
+def _anchor(fn) -> tuple | None:
+    """(object to key weakly, extra key part) for ``fn``; None if it cannot be."""
+    anchor, sub = (fn.__self__, fn.__func__) if inspect.ismethod(fn) else (fn, None)
+    try:
+        weakref.ref(anchor)
+        hash(anchor)
+    except TypeError:
+        return None
+    return anchor, sub
+
+
+def _hashable_tree(tree):
+    leaves, treedef = _tree.flatten(tree)
+    key = (treedef, tuple(leaves))
+    hash(key)
+    return key
 
 
 @dataclass
@@ -72,10 +126,11 @@ class _Signature:
     leaves: list                 # flat leaves of the dynamic args
     treedef: Any
     static_args: tuple
+    static_argnums: tuple        # normalized for this call
     key: tuple
 
 
-@dataclass
+@dataclass(eq=False)
 class Compiled:
     """One traced and partitioned program (a cache entry). ``run`` is the per-call
     path: everything it needs is planned at compile time."""
@@ -84,7 +139,9 @@ class Compiled:
     local_graph: fx.GraphModule
     runner: Any                          # runs the local graph (it, or a compiled form)
     mesh: Mesh
+    name: str
     in_plan: list                        # per dynamic leaf: placements, or None (static)
+    in_paths: list                       # per dynamic leaf: its path (args[0]['w'])
     in_specs: list[P]                    # per tensor input (for Lowered)
     out_treedef: Any
     out_plan: list                       # per output leaf: ("static", value) or ("dtensor", spec)
@@ -92,9 +149,34 @@ class Compiled:
     layouts: dict | None = None          # the mode's report of the layouts it chose
     n_draws: int = 0                     # random draws per call (counter-based RNG)
     rng_device: Any = None
-    digest: str = ""
-    signature_lines: list = field(default_factory=list)
-    agreed: bool = False                 # ranks compared fingerprints (first call)
+    program: int = 0                     # digest the ranks compare before each run
+    lines: Callable = list               # the digest's readable form (for a mismatch)
+
+    def outcome(self, leaves: list) -> sync.Outcome:
+        """What this call brings to the cross-rank agreement (no communication):
+        checks DTensor inputs and folds in those that will be redistributed."""
+        dm = self.mesh.device_mesh
+        moves = []
+        for i, (leaf, pl) in enumerate(zip(leaves, self.in_plan)):
+            if pl is None or not isinstance(leaf, DTensor):
+                continue
+            if leaf.device_mesh is not dm and leaf.device_mesh != dm:
+                raise ValueError(
+                    f"{self.name}: {self.in_paths[i]} is a DTensor on {leaf.device_mesh}, not "
+                    f"on the pjit mesh {self.mesh}; gather it and shard it onto this mesh."
+                )
+            if leaf.placements != pl:
+                moves.append((self.in_paths[i], tuple(leaf.placements)))
+        if not moves:
+            return sync.Outcome(self.program, self.lines,
+                                srandom._call_state() if self.n_draws else None)
+        program = sync.token(self.program, moves)
+
+        def lines():
+            return self.lines() + [f"input {p}: a DTensor laid out as {pl}, redistributed "
+                                   f"before the program" for p, pl in moves]
+
+        return sync.Outcome(program, lines, srandom._call_state() if self.n_draws else None)
 
     def run(self, leaves: list) -> Any:
         dm = self.mesh.device_mesh
@@ -103,11 +185,6 @@ class Compiled:
             if pl is None:
                 continue
             if isinstance(leaf, DTensor):
-                if leaf.device_mesh is not dm and leaf.device_mesh != dm:
-                    raise ValueError(
-                        f"a DTensor input lives on {leaf.device_mesh}, not on the pjit mesh "
-                        f"{self.mesh}; gather it and shard it onto this mesh."
-                    )
                 if leaf.placements != pl:
                     leaf = leaf.redistribute(dm, pl)
                 # the program was traced on contiguous shards (views inside it assume so)
@@ -125,7 +202,9 @@ class Compiled:
 class Pjit:
     """The callable that pjit returns. ``.lower(*args)`` shows the program."""
 
-    def __init__(self, fn, in_specs, out_specs, mesh, mode, static_argnums):
+    def __init__(self, fn, in_specs, out_specs, mesh, mode, static_argnums, donate_argnums=()):
+        if not callable(fn):
+            raise TypeError(f"pjit expects a callable; got {type(fn).__name__} {fn!r:.80}.")
         self.fn = fn
         self.in_specs = in_specs
         self.out_specs = out_specs
@@ -133,104 +212,167 @@ class Pjit:
         self.mode = mode if mode is not None else DTensorExpandMode()
         if not isinstance(self.mode, ParallelMode):
             raise TypeError(f"pjit mode must be a sharded.modes.ParallelMode; got {self.mode!r}.")
-        if isinstance(static_argnums, int):
-            static_argnums = (static_argnums,)
-        self.static_argnums = tuple(sorted(static_argnums))
         self.name = f"pjit({getattr(fn, '__name__', type(fn).__name__)})"
-        self._cache: dict[tuple, Compiled] = {}
-        self._mode_key = self.mode.cache_key()
+        self.static_argnums = _argnums(fn, static_argnums, "static_argnums", self.name)
+        self.donate_argnums = _argnums(fn, donate_argnums, "donate_argnums", self.name)
+        self._mode_key = (type(self.mode), self.mode.cache_key())
+        self._anchor = _anchor(fn)
+        try:
+            self._config = (self._mode_key, _hashable_tree(in_specs), _hashable_tree(out_specs),
+                            self.static_argnums)
+        except TypeError:
+            self._config = None
+        self._own_cache: collections.OrderedDict = collections.OrderedDict()
+        # Programs this object has used (traced, or found in the cache when another
+        # pjit of the same function traced them): one per signature, so a count that
+        # grows with the calls means retracing.
         self.trace_count = 0
+        self._used: weakref.WeakSet = weakref.WeakSet()
         # Name and docs only: a __wrapped__ attribute would let torch.func (and
         # inspect) call the raw function, bypassing this wrapper.
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
 
     # -- API ----------------------------------------------------------------
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         if in_global_trace():
             raise NotImplementedError(
                 f"{self.name} was called inside another pjit-traced function; nested "
                 f"pjit is not supported. Call the inner function directly (use "
                 f"with_sharding_constraint for the layouts it imposed)."
             )
-        sig = self._signature(args)
-        entry = self._lookup(sig)
-        if entry is None or not entry.agreed:
-            try:
-                entry = entry or self._compile(sig, args)
-                outcome = (entry.digest, entry.signature_lines)
-            except Exception as e:  # noqa: BLE001 - every rank must hear about it
-                outcome = e
-            sync.agree(sig.mesh, self.name, outcome)
-            entry.agreed = True
-            self._cache[sig.key] = entry
-        if entry.n_draws and srandom.get_rng_state()["seed"] is None:
-            srandom._agree_on_seed(sig.mesh)   # first use, or after set_rng_state(seed=None)
-        return entry.run(sig.leaves)
+        try:
+            mesh = current_mesh(self.mesh, self.name)
+        except Exception as e:  # noqa: BLE001 - the other ranks may be waiting to agree
+            sync.agree(None, self.name, e)
+            raise
+        entry = None
+        try:
+            if kwargs:
+                raise TypeError(
+                    f"{self.name} takes positional arguments only; got keyword argument(s) "
+                    f"{sorted(kwargs)}. Pass them positionally: in_specs has one entry per "
+                    f"positional argument."
+                )
+            sig = self._signature(args, mesh)
+            entry = self._lookup(sig) or self._compile(sig, args)
+            outcome = entry.outcome(sig.leaves)
+        except Exception as e:  # noqa: BLE001 - every rank must hear about it
+            outcome = e
+        states = sync.agree(mesh, self.name, outcome)
+        if states is not None and entry is not None and entry.n_draws:
+            srandom._settle(states, self.name)
+        return sync.run_guarded(self.name, entry.run, sig.leaves, mesh=mesh)
 
     def lower(self, *args) -> Lowered:
         """Trace and partition for ``args`` without running (no communication)."""
-        sig = self._signature(args)
-        entry = self._lookup(sig)
-        if entry is None:
-            entry = self._cache[sig.key] = self._compile(sig, args)
+        sig = self._signature(args, current_mesh(self.mesh, self.name))
+        entry = self._lookup(sig) or self._compile(sig, args)
         return Lowered(entry, self.name)
 
     # -- Checks and cache key ------------------------------------------------
-    def _signature(self, args) -> _Signature:
-        mesh = current_mesh(self.mesh, self.name)
-        for i in self.static_argnums:
-            if i >= len(args):
-                raise ValueError(
-                    f"{self.name}: static_argnums has {i} but the call has {len(args)} "
-                    f"positional args."
-                )
-        static = tuple(args[i] for i in self.static_argnums)
-        dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+    def _signature(self, args, mesh) -> _Signature:
+        nums = self._static_argnums_for(len(args))
+        static = tuple(args[i] for i in nums)
+        for i, v in zip(nums, static):
+            _check_static_arg(v, f"args[{i}]", self.name)
+        dyn = tuple(a for i, a in enumerate(args) if i not in nums)
         leaves, treedef = _tree.flatten(dyn)
         leaf_keys = []
-        for x in leaves:
-            if isinstance(x, torch.Tensor) and _torch.is_functorch_wrapped(x):
-                raise TypeError(
-                    f"{self.name} was called inside a torch.func transform (grad, vmap, "
-                    f"...); a pjit/shard_map call is not differentiable from outside. Put "
-                    f"the transform inside the function instead: "
-                    f"pjit(torch.func.grad(loss), ...)."
-                )
+        for j, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
+                if _torch.is_functorch_wrapped(x):
+                    raise TypeError(
+                        f"{self.name} was called inside a torch.func transform (grad, vmap, "
+                        f"...); a pjit/shard_map call is not differentiable from outside. Put "
+                        f"the transform inside the function instead: "
+                        f"pjit(torch.func.grad(loss), ...)."
+                    )
                 leaf_keys.append((tuple(x.shape), x.dtype, x.device.type))
             else:
+                if type(x) not in _PLAIN_STATIC:
+                    _check_leaf(x, lambda j=j: _dyn_paths(args, nums)[j], self.name)
                 leaf_keys.append(("static", type(x), x))   # 1, 1.0 and True are distinct
-        key = (treedef, tuple(leaf_keys), tuple((type(v), v) for v in static), id(mesh),
-               self._mode_key)
-        return _Signature(mesh, leaves, treedef, static, key)
+        key = (treedef, tuple(leaf_keys), tuple((type(v), v) for v in static), nums, mesh,
+               _ambient())
+        return _Signature(mesh, leaves, treedef, static, nums, key)
+
+    def _static_argnums_for(self, nargs: int) -> tuple:
+        if all(i >= 0 for i in self.static_argnums) and all(i < nargs for i in self.static_argnums):
+            return self.static_argnums                      # the common case, resolved
+        return _resolve_argnums(self.static_argnums, nargs, self.name, "static_argnums",
+                                f"the call has {nargs} positional args")
+
+    def _cache(self) -> collections.OrderedDict:
+        if self._anchor is None or self._config is None:
+            return self._own_cache
+        anchor, sub = self._anchor
+        per_fn = _PROGRAMS.get(anchor)
+        if per_fn is None:
+            per_fn = _PROGRAMS[anchor] = collections.OrderedDict()
+        return per_fn
+
+    def _full_key(self, sig: _Signature) -> tuple:
+        sub = self._anchor[1] if self._anchor is not None else None
+        return (sub, self._config, sig.key)
 
     def _lookup(self, sig: _Signature) -> Compiled | None:
-        try:
-            return self._cache.get(sig.key)
-        except TypeError:
-            raise TypeError(
-                f"{self.name}: non-tensor arguments are static and must be hashable; "
-                f"got an unhashable one in {sig.key[1]!r:.200}. Make it a tensor or a tuple."
-            ) from None
+        with _CACHE_LOCK:
+            cache = self._cache()
+            key = self._full_key(sig)
+            try:
+                entry = cache.get(key)
+            except TypeError:
+                raise TypeError(
+                    f"{self.name}: non-tensor arguments are static and must be hashable; "
+                    f"got an unhashable one in {_unhashable(sig)}. Make it a tensor, a tuple "
+                    f"or a frozen dataclass."
+                ) from None
+            if entry is not None:
+                cache.move_to_end(key)
+                self._count(entry)
+            return entry
 
-    def _arg_paths(self, args) -> list[str]:
-        paths = []
-        for i, a in enumerate(args):
-            if i not in self.static_argnums:
-                paths.extend(_tree.leaf_paths(a, f"args[{i}]"))
-        return paths
+    def _count(self, entry: Compiled) -> None:
+        if entry not in self._used:
+            self._used.add(entry)
+            self.trace_count += 1
 
-    def _leaf_specs(self, dyn: tuple) -> list[tuple[str, Any]]:
-        excluded = " (static_argnums excluded)" if self.static_argnums else ""
+    def _store(self, sig: _Signature, entry: Compiled) -> None:
+        with _CACHE_LOCK:
+            cache = self._cache()
+            cache[self._full_key(sig)] = entry
+            while len(cache) > CACHE_SIZE:
+                cache.popitem(last=False)
+
+    def _leaf_specs(self, dyn: tuple, nums: tuple) -> list[tuple[str, Any]]:
+        excluded = " (static_argnums excluded)" if nums else ""
         return _tree.arg_specs(self.in_specs, dyn, self.name, excluded)
 
     # -- Trace, partition, passes ---------------------------------------------
     def _compile(self, sig: _Signature, args) -> Compiled:
+        with _COMPILE_LOCK:
+            entry = self._lookup(sig)          # another thread may have compiled it
+            if entry is not None:
+                return entry
+            mark = _torch.fx_source_mark()
+            keep = ()
+            try:
+                entry = self._build(sig, args)
+                keep = (entry.global_graph, entry.local_graph)
+            finally:
+                _torch.release_fx_sources(mark, keep)   # NOTE [Bounded caches]
+                _torch.bound_process_caches()
+            self._store(sig, entry)
+            self._count(entry)
+            return entry
+
+    def _build(self, sig: _Signature, args) -> Compiled:
         mesh = sig.mesh
-        dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
-        leaf_specs = self._leaf_specs(dyn)
-        paths = self._arg_paths(args)
+        nums = sig.static_argnums
+        dyn = tuple(a for i, a in enumerate(args) if i not in nums)
+        leaf_specs = self._leaf_specs(dyn, nums)
+        paths = _dyn_paths(args, nums)
         tensor_leaf = [isinstance(x, torch.Tensor) for x in sig.leaves]
 
         in_specs, in_placements, metas, tensor_paths = [], [], [], []
@@ -251,14 +393,16 @@ class Pjit:
 
         out_info: dict[str, Any] = {}
         flat_fn = self._flat_fn(sig, out_info)
-        self.trace_count += 1
-        global_gm = trace_global(flat_fn, metas, self.name)
+        inputs = [f"{p}: {_fmt_meta(m)}" for p, m in zip(tensor_paths, metas)]
+        global_gm = trace_global(flat_fn, metas, self.name, fn=self.fn, inputs=inputs)
         mutated = mutated_inputs(global_gm)
         if mutated:
             raise ValueError(
                 f"{self.name}: the function mutates its input {tensor_paths[mutated[0]]} "
                 f"in place; pjit functions must be pure. Return the new value instead "
-                f"(e.g. `w = w - lr * g` rather than `w.sub_(lr * g)`)."
+                f"(e.g. `w = w - lr * g` rather than `w.sub_(lr * g)`). A module that updates "
+                f"its buffers in place (BatchNorm) needs them cloned inside the function "
+                f"and returned (docs/concepts.md, 'Module state')."
             )
 
         out_leaves, out_treedef = out_info["leaves"], out_info["treedef"]
@@ -280,10 +424,22 @@ class Pjit:
                                       v.meta["val"].stride(), v.meta["val"].dtype)
             for v, pl in zip(out_vals, part.out_placements)
         ]
-        sig_lines = [f"input {p}: {tuple(m.shape)} {m.dtype} {s!r}"
+        out_paths = [p for p, v in zip(_tree.leaf_paths(_tree.unflatten(out_treedef, out_leaves),
+                                                        "output"), out_leaves)
+                     if isinstance(v, torch.Tensor)]
+        sig_lines = [f"input {p}: {_fmt_meta(m)} {s!r}"
                      for p, m, s in zip(tensor_paths, metas, in_specs)]
-        sig_lines += [f"static args: {sig.static_args!r:.200}"]
-        digest, lines = fingerprint(local_gm, mesh, extra=tuple(sig_lines))
+        sig_lines += [f"static args[{i}]: {stable_repr(v)}" for i, v in zip(nums, sig.static_args)]
+        sig_lines += [f"static leaf {p}: {stable_repr(x)}"
+                      for p, x in zip(paths, sig.leaves) if not isinstance(x, torch.Tensor)]
+        sig_lines += [f"ambient: {_ambient_text(sig.key[-1])}"]
+        sig_lines += [f"output {p}: {_fmt_meta(v.meta['val'])} {tuple(pl)}"
+                      for p, v, pl in zip(out_paths, out_vals, part.out_placements)]
+
+        def lines() -> list[str]:
+            return (sig_lines + ["global program:"] + program_lines(global_gm)
+                    + ["local collectives:"] + fingerprint(local_gm, mesh)[1])
+
         placements = iter(in_placements)
         in_plan = [next(placements) if t else None for t in tensor_leaf]
         dt_specs = iter(out_dt_specs)
@@ -291,19 +447,19 @@ class Pjit:
                     for v in out_leaves]
         return Compiled(
             global_graph=global_gm, local_graph=local_gm, runner=self.mode.runner(local_gm),
-            mesh=mesh, in_plan=in_plan, in_specs=in_specs, out_treedef=out_treedef,
-            out_plan=out_plan, out_placements=part.out_placements, layouts=part.layouts,
-            n_draws=n_draws,
-            rng_device=_mesh_device(mesh) if n_draws else None, digest=digest,
-            signature_lines=lines,
+            mesh=mesh, name=self.name, in_plan=in_plan, in_paths=paths, in_specs=in_specs,
+            out_treedef=out_treedef, out_plan=out_plan, out_placements=part.out_placements,
+            layouts=part.layouts, n_draws=n_draws,
+            rng_device=_mesh_device(mesh) if n_draws else None,
+            program=sync.token(*lines()), lines=lines,
         )
 
     def _flat_fn(self, sig: _Signature, out_info: dict) -> Callable:
         """``fn`` over flat tensors: rebuilds the args (with the static leaves) and
         flattens the outputs, recording their structure and static leaves."""
         leaves, treedef = sig.leaves, sig.treedef
-        statics = dict(zip(self.static_argnums, sig.static_args))
-        fn = self.fn
+        statics = dict(zip(sig.static_argnums, sig.static_args))
+        fn, name = self.fn, self.name
 
         def flat_fn(*tensors):
             it = iter(tensors)
@@ -313,6 +469,10 @@ class Pjit:
             args = [statics[i] if i in statics else next(dyn) for i in range(n)]
             out = fn(*args)
             out_leaves, out_treedef = _tree.flatten(out)
+            for k, v in enumerate(out_leaves):
+                if not isinstance(v, _OUTPUT_LEAVES):
+                    path = _tree.leaf_paths(out, "output")[k]
+                    raise TypeError(_bad_output(name, path, v)) from None
             out_info["leaves"], out_info["treedef"] = out_leaves, out_treedef
             return [v for v in out_leaves if isinstance(v, torch.Tensor)]
 
@@ -344,3 +504,277 @@ def _mesh_device(mesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
+
+
+# ---------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------
+
+def _argnums(fn, nums, what: str, api: str) -> tuple:
+    """``static_argnums``/``donate_argnums`` as a sorted tuple; negative numbers are
+    resolved against ``fn``'s positional parameters when its signature says how many
+    there are (no ``*args``), else per call (as JAX does)."""
+    if isinstance(nums, int) and not isinstance(nums, bool):
+        nums = (nums,)
+    try:
+        nums = tuple(nums)
+    except TypeError:
+        raise TypeError(f"{api}: {what} must be an int or a sequence of ints; got {nums!r}.") from None
+    for i in nums:
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise TypeError(f"{api}: {what} must be ints; got {i!r} in {nums!r}.")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        params = None
+    if params is not None and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        n = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+        return _resolve_argnums(nums, n, api, what, f"the function takes {n} positional argument(s)")
+    if len(set(nums)) != len(nums):
+        raise ValueError(f"{api}: {what} {nums!r} names an argument twice.")
+    return tuple(sorted(nums))
+
+
+def _resolve_argnums(nums: tuple, n: int, api: str, what: str, against: str) -> tuple:
+    """``nums`` as sorted indices in [0, n), negative ones counted from the end;
+    ``against`` says what ``n`` counts (for the error)."""
+    out = []
+    for i in nums:
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise ValueError(
+                f"{api}: {what} has {i}, but {against}; {what} index the positional "
+                f"arguments (negative ones count from the end)."
+            )
+        out.append(j)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{api}: {what} {tuple(nums)!r} names an argument twice.")
+    return tuple(sorted(out))
+
+
+_PLAIN_STATIC = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype,
+                           torch.device, P})
+_OUTPUT_LEAVES = (torch.Tensor, type(None), bool, int, float, complex, str)
+
+
+def _dyn_paths(args, nums) -> list[str]:
+    paths = []
+    for i, a in enumerate(args):
+        if i not in nums:
+            paths.extend(_tree.leaf_paths(a, f"args[{i}]"))
+    return paths
+
+
+def _holds_tensors(x) -> str | None:
+    """Why the non-tensor leaf ``x`` hides tensors from pjit, or None."""
+    if isinstance(x, torch.nn.Module):
+        return (f"an nn.Module ({type(x).__name__}); pass its parameters instead, e.g. "
+                f"dict(model.named_parameters()), and call it inside the function with "
+                f"torch.func.functional_call(model, params, (x,))")
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        names = [f.name for f in dataclasses.fields(x) if _tensorish(getattr(x, f.name, None))]
+        if names:
+            return (f"an instance of {type(x).__name__} (a dataclass with tensors in {names}) "
+                    f"that is not a registered pytree node, so pjit cannot see its tensors; register it with "
+                    f"sharded.register_dataclass({type(x).__name__})")
+        return None
+    if isinstance(x, (dict, list, tuple)):
+        values = x.values() if isinstance(x, dict) else x
+        if any(_tensorish(v) for v in values):
+            return (f"an instance of {type(x).__name__} (a {type(x).__mro__[1].__name__} subclass "
+                    f"that is not a registered pytree node) holding tensors; pass a plain "
+                    f"{type(x).__mro__[1].__name__} or register the type with "
+                    f"sharded.register_pytree_node")
+        return None
+    attrs = getattr(x, "__dict__", None)
+    if isinstance(attrs, dict):
+        names = [k for k, v in attrs.items() if _tensorish(v)]
+        if names:
+            return (f"an instance of {type(x).__name__} with tensor attributes {names[:5]}, which "
+                    f"pjit cannot see; pass the tensors in a dict or tuple, or register the type "
+                    f"(sharded.register_dataclass for a dataclass)")
+    return None
+
+
+def _tensorish(v) -> bool:
+    if isinstance(v, (torch.Tensor, torch.nn.Module)):
+        return True
+    if isinstance(v, (list, tuple)) and len(v) <= 64:
+        return any(isinstance(x, torch.Tensor) for x in v)
+    if isinstance(v, dict) and len(v) <= 64:
+        return any(isinstance(x, torch.Tensor) for x in v.values())
+    return False
+
+
+def _check_leaf(x, path_of: Callable[[], str], api: str) -> None:
+    why = _holds_tensors(x)
+    if why is not None:
+        raise TypeError(f"{api}: {path_of()} is {why}.")
+
+
+def _check_static_arg(v, where: str, api: str) -> None:
+    """A static argument is a Python value baked into the program: no tensors."""
+    if type(v) in _PLAIN_STATIC:
+        return
+    leaves = _tree.flatten(v)[0]
+    paths = None
+    for k, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) or _holds_tensors(leaf) is not None:
+            paths = paths or _tree.leaf_paths(v, where)
+            what = (f"a tensor of shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor)
+                    else _holds_tensors(leaf))
+            raise TypeError(
+                f"{api}: {paths[k]} is static (static_argnums) but is {what}. Static "
+                f"arguments are Python values baked into the program (each new one traces "
+                f"again); pass tensors as regular arguments with an in_specs entry."
+            )
+
+
+def _bad_output(api: str, path: str, v) -> str:
+    tname = type(v).__name__
+    if inspect.isgenerator(v) or isinstance(v, (types.GeneratorType, map, filter, zip)):
+        fix = "a generator or iterator (evaluated lazily, after tracing); return a tuple or list"
+    elif isinstance(v, dict):
+        fix = (f"an instance of {tname}, a dict subclass that is not a registered pytree "
+               f"node (e.g. a HuggingFace ModelOutput); return dict(out) (or out.to_tuple()), or register "
+               f"the type with sharded.register_pytree_node")
+    elif isinstance(v, (list, tuple)):
+        fix = (f"an instance of {tname}, a {type(v).__mro__[1].__name__} subclass that is not "
+               f"a registered pytree node; return a plain {type(v).__mro__[1].__name__} or register the type")
+    elif dataclasses.is_dataclass(v):
+        fix = (f"an instance of {tname}, a dataclass that is not a registered pytree node; "
+               f"register it with sharded.register_dataclass({tname})")
+    else:
+        fix = f"an object of type {tname}"
+    return (f"{api}: {path} is {fix}. Outputs must be tensors, Python scalars or None, in "
+            f"tuples, lists, dicts, namedtuples or registered pytree nodes (anything else "
+            f"would carry tracing values out of the function).")
+
+
+def _unhashable(sig: _Signature) -> str:
+    for kind in sig.key[1]:
+        if kind[0] == "static":
+            try:
+                hash(kind[2])
+            except TypeError:
+                return f"{type(kind[2]).__name__} {kind[2]!r:.80}"
+    for v in sig.static_args:
+        try:
+            hash(v)
+        except TypeError:
+            return f"static argument {type(v).__name__} {v!r:.80}"
+    return "the arguments"
+
+
+def _fmt_meta(m) -> str:
+    return f"{str(m.dtype).replace('torch.', '')}{list(m.shape)}"
+
+
+# ---------------------------------------------------------------------------
+# Ambient state and stable descriptions (the cache key and the fingerprint)
+# ---------------------------------------------------------------------------
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _ambient() -> tuple:
+    """Process state that changes what tracing records: the default dtype (factory
+    ops) and autocast (casts inserted before dispatch)."""
+    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
+                     if torch.is_autocast_enabled(d))
+    return (torch.get_default_dtype(), autocast)
+
+
+def _ambient_text(amb: tuple) -> str:
+    dtype, autocast = amb
+    text = f"default dtype {dtype}"
+    if autocast:
+        text += ", autocast " + ", ".join(f"{d} {t}" for d, t in autocast)
+    return text
+
+
+_ADDRESS = re.compile(r" (object )?at 0x[0-9a-fA-F]+")
+
+
+def stable_repr(v, depth: int = 0) -> str:
+    """``v`` as text that is equal on every rank for equal values: no memory
+    addresses (an object's default repr has one), full length (hashed, not cut)."""
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
+        return repr(v)
+    if isinstance(v, torch.device):
+        return f"device({v.type!r})"      # cuda:0 on rank 0 is cuda:1 on rank 1
+    if isinstance(v, (torch.dtype, P)):
+        return repr(v)
+    if isinstance(v, enum.Enum):
+        return f"{type(v).__qualname__}.{v.name}"
+    if isinstance(v, type):
+        return f"{v.__module__}.{v.__qualname__}"
+    if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        return f"{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', repr(v))}"
+    if depth > 6:
+        return f"<{type(v).__qualname__}>"
+    if isinstance(v, (list, tuple)):
+        inner = ", ".join(stable_repr(x, depth + 1) for x in v)
+        return f"{type(v).__qualname__}({inner})"
+    if isinstance(v, (set, frozenset)):
+        return f"{type(v).__qualname__}({sorted(stable_repr(x, depth + 1) for x in v)})"
+    if isinstance(v, dict):
+        items = ", ".join(f"{stable_repr(k, depth + 1)}: {stable_repr(x, depth + 1)}"
+                          for k, x in v.items())
+        return f"{type(v).__qualname__}({{{items}}})"
+    if dataclasses.is_dataclass(v):
+        fields = ", ".join(f"{f.name}={stable_repr(getattr(v, f.name, None), depth + 1)}"
+                           for f in dataclasses.fields(v))
+        return f"{type(v).__qualname__}({fields})"
+    if type(v).__repr__ is object.__repr__:
+        attrs = getattr(v, "__dict__", None)
+        inner = stable_repr(attrs, depth + 1) if isinstance(attrs, dict) else ""
+        return f"<{type(v).__module__}.{type(v).__qualname__} {inner}>"
+    return _ADDRESS.sub("", repr(v))
+
+
+def program_lines(gm: fx.GraphModule) -> list[str]:
+    """The global program as text that is equal on every rank of a correct SPMD
+    program: each node's op, literal arguments (aten ops; other ops' integers can be
+    ids local to a process) and output shape. A rank-dependent branch, constant or
+    shape shows here."""
+    out = []
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        shape = _fmt_val(val)
+        if n.op == "placeholder":
+            out.append(f"{n.name}: input {shape}")
+        elif n.op == "get_attr":
+            t = getattr(gm, n.target, None)
+            text = f"{n.name}: constant {shape or _fmt_val(t)}"
+            if isinstance(t, torch.Tensor) and t.numel() <= 16 and not _torch.is_tracing_tensor(t):
+                text += f" = {t.detach().cpu().flatten().tolist()}"
+            out.append(text)
+        elif n.op == "output":
+            out.append(f"output {[_fmt_val(a.meta.get('val')) if isinstance(a, fx.Node) else repr(a) for a in n.args[0]]}")
+        else:
+            aten = getattr(n.target, "namespace", None) in ("aten", "prims")
+            args = ", ".join([_fmt_arg(a, aten) for a in n.args]
+                             + [f"{k}={_fmt_arg(v, aten)}" for k, v in n.kwargs.items()])
+            out.append(f"{n.name} = {n.target}({args}) -> {shape}")
+    return out
+
+
+def _fmt_val(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return _fmt_meta(v)
+    if isinstance(v, (list, tuple)):
+        return "(" + ", ".join(_fmt_val(x) for x in v) + ")"
+    return "" if v is None else type(v).__name__
+
+
+def _fmt_arg(a, literal: bool) -> str:
+    if isinstance(a, fx.Node):
+        return a.name
+    if isinstance(a, (list, tuple)):
+        return "[" + ", ".join(_fmt_arg(x, literal) for x in a) + "]"
+    if isinstance(a, torch.device):
+        return f"device({a.type!r})"
+    if not literal and isinstance(a, int) and not isinstance(a, bool):
+        return "#"
+    return stable_repr(a)

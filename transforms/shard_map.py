@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from sharded import _manual, _region, _torch, _tree
+from sharded import _manual, _region, _torch, _tree, sync
 from sharded.mesh import Mesh, current_mesh
 from sharded.modes._expand import contiguous_strides
 from sharded.random.rewrite import RNG_STATE_OP
@@ -152,7 +152,25 @@ class ShardMap:
 
     # -- eagerly: op by op on this rank's shards ------------------------------------------
     def _eager(self, mesh: Mesh, args: tuple):
-        leaves, treedef, tensors = self._inputs(mesh, args)
+        """The body op by op, between two cross-rank agreements (sharded/sync.py): on
+        the inputs before it (a rank given another shape fails here, not in gloo) and
+        on the outputs' global shapes after it (a rank-dependent shape fails here, not
+        when the result is gathered); a failure in the body reaches every rank."""
+        try:
+            leaves, treedef, tensors = self._inputs(mesh, args)
+            lines = [f"input {i}: {str(x.dtype).replace('torch.', '')}{list(x.shape)} {s!r}"
+                     + (f" from {tuple(x.placements)}" if isinstance(x, DTensor) else "")
+                     for i, (x, s) in enumerate(tensors)]
+            outcome = sync.Outcome(sync.token(*lines), lambda: lines)
+        except Exception as e:  # noqa: BLE001 - every rank must hear about it
+            outcome = e
+        sync.agree(mesh, self.name, outcome)
+        result, out_lines = sync.run_guarded(self.name, self._eager_run, mesh, leaves, treedef,
+                                             tensors, mesh=mesh)
+        sync.agree(mesh, self.name, sync.Outcome(sync.token(*out_lines), lambda: out_lines))
+        return result
+
+    def _eager_run(self, mesh: Mesh, leaves, treedef, tensors):
         dm = mesh.device_mesh
         local = []
         for x, spec in tensors:
@@ -190,5 +208,7 @@ class ShardMap:
                                shape=torch.Size(shape), stride=contiguous_strides(shape))
             for o, (placements, _, shape, _) in zip(outs, layouts)
         ]
-        return _tree.unflatten(out_info["treedef"], result)
+        out_lines = [f"output {path}: {str(o.dtype).replace('torch.', '')}{list(shape)} "
+                     f"{tuple(placements)}" for o, (placements, _, shape, path) in zip(outs, layouts)]
+        return _tree.unflatten(out_info["treedef"], result), out_lines
 

@@ -8,7 +8,10 @@ the single-device program, whatever the mesh and the layout, with no communicati
 
 The state is (seed, offset), explicit and process-wide: ``manual_seed`` sets it on
 every rank; otherwise the seed is taken from rank 0's ``torch.initial_seed()`` the
-first time a program needs it. Each call of a program with ``k`` random ops advances
+first time a program needs it. The ranks compare their (seed, offset) before every
+call of a program that draws (pjit's cross-rank agreement): a rank that set another
+seed, or none while the others did, is an error on every rank, not a hang and not
+different numbers. Each call of a program with ``k`` random ops advances
 the offset by ``k``. ``get_rng_state``/``set_rng_state`` save and restore it, so a
 resumed run draws what it would have drawn.
 """
@@ -44,16 +47,44 @@ def set_rng_state(state: dict) -> None:
     _STATE["seed"], _STATE["offset"] = state["seed"], int(state["offset"])
 
 
-def _agree_on_seed(mesh) -> None:
-    """Take the seed from rank 0 unless one is set (collective over the mesh)."""
-    if _STATE["seed"] is not None:
-        return
-    seed = torch.initial_seed() % 2**63
-    if mesh.size() > 1:
-        from sharded.sync import all_gather_objects
+def _call_state() -> tuple:
+    """What this rank brings to a call's cross-rank agreement (sharded.sync.agree):
+    ``(seed or None, offset, torch.initial_seed())``."""
+    return (_STATE["seed"], _STATE["offset"], torch.initial_seed() % 2**63)
 
-        seed = all_gather_objects(seed, mesh.sync_group())[0]
-    _STATE["seed"] = seed
+
+def _settle(states: list, api: str) -> None:
+    """After a full exchange: ``states`` is every rank's ``_call_state()``. Ranks
+    draw the same numbers only with the same (seed, offset): if no rank set a seed,
+    all take rank 0's ``torch.initial_seed()``; any other difference is an error on
+    every rank (the same decision everywhere, from the same list)."""
+    from sharded.sync import RankMismatchError
+
+    seeds = [s[0] for s in states]
+    if all(s is None for s in seeds):
+        if len({s[1] for s in states}) == 1:
+            _STATE["seed"] = states[0][2]
+            return
+    elif len({(s[0], s[1]) for s in states}) == 1:
+        return
+    table = ", ".join(f"rank {r}: seed {s[0]!r} offset {s[1]}" for r, s in enumerate(states))
+    raise RankMismatchError(
+        f"{api}: the ranks' random states differ ({table}), so they would draw different "
+        f"numbers for the same elements. Call sharded.random.manual_seed(seed) with the "
+        f"same seed on every rank (or on none), and the same programs in the same order."
+    )
+
+
+def _agree_on_seed(mesh, api: str = "sharded.random") -> None:
+    """Settle the seed and check that every rank of ``mesh`` has the same (seed,
+    offset): a collective that every rank enters, whether its seed is set or not
+    (eager random draws in a shard_map body; pjit folds the same check into its
+    per-call agreement)."""
+    from sharded import sync
+
+    states = sync.agree(mesh, api, sync.Outcome(0, list, _call_state()))
+    if states is not None:
+        _settle(states, api)
 
 
 def _take(n_draws: int, device) -> tuple[torch.Tensor, torch.Tensor]:
