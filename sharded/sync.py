@@ -111,6 +111,8 @@ def agree(mesh, api: str, outcome) -> list | None:
     seed). Otherwise raises on every rank (see NOTE [Agreement on every call]).
     ``mesh`` None: the world (a rank that could not even find its mesh)."""
     check_usable(api)
+    if mesh is not None:
+        mesh.require_ranks(api)        # an abstract mesh's collectives are fakes
     group = group_for(mesh)
     if group is None:                          # one rank: nothing to compare
         if isinstance(outcome, BaseException):

@@ -65,7 +65,11 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
     """
     fake_mode = _torch.new_fake_mode()
     with fake_mode:
-        fakes = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device) for m in metas]
+        # meta inputs (lowering without memory, e.g. for Mesh.abstract) trace as CPU
+        # fakes, so that tensors the function makes on the default device match them
+        fakes = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype,
+                                     device="cpu" if m.device.type == "meta" else m.device)
+                 for m in metas]
     state = ModuleState(fn, api) if fn is not None else None
 
     def guarded(*tensors):
@@ -78,7 +82,7 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
                 try:
                     with _torch.user_stack_traces():
                         # stack traces: errors in later steps name the user's source line
-                        gm = make_fx(guarded, tracing_mode="fake", record_stack_traces=True)(*fakes)
+                        gm = make_fx(guarded, tracing_mode="fake")(*fakes)
                 finally:
                     if state is not None:
                         state.restore_and_check()

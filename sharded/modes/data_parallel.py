@@ -221,7 +221,7 @@ class _DataParallelPolicy(LayoutPolicy):
             if source is not None:
                 batch_args[id(_torch.local_tensor(a))] = (source, a)
             elif batch_vals and isinstance(self._dp(a), Shard):
-                a = self._with_dp(ex, a, Replicate())      # gather state before use
+                a = self._gather(ex, a)                    # gather state before use
             return a
 
         args, kwargs = _map_tensors(fix, (args, kwargs))
@@ -279,6 +279,16 @@ class _DataParallelPolicy(LayoutPolicy):
         pls = list(a.placements)
         pls[self.dp] = placement
         return ex.redistribute(a, pls)
+
+    def _gather(self, ex, a):
+        """``a`` replicated over the axis. A split of dim d > 0 (the view ``w.t()`` of a
+        parameter shard) is gathered as dim 0 of ``a.movedim(d, 0)``: one all-gather
+        and two views, where DTensor's own gather of dim d cuts the result into one
+        piece per rank and concatenates them (a 128-way axis: 128 slices to trace)."""
+        d = self._dp(a).dim
+        if d == 0:
+            return self._with_dp(ex, a, Replicate())
+        return self._with_dp(ex, a.movedim(d, 0), Replicate()).movedim(0, d)
 
     def _check_batch_kept(self, node, target, args, kwargs, batch_args):
         """Error if DTensor's plan for the op moves a batch input off its split."""

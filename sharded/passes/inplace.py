@@ -54,7 +54,6 @@ def reinplace_foreach(gm: fx.GraphModule) -> fx.GraphModule:
         return max((pos[u] for u in users), default=pos[n])
 
     for n in nodes:
-        pos = {m: i for i, m in enumerate(g.nodes)}
         inplace = _inplace_foreach(n)
         if inplace is None:
             continue
@@ -83,6 +82,7 @@ def reinplace_foreach(gm: fx.GraphModule) -> fx.GraphModule:
                 lst = g.call_function(_identity_list, (list(xs), new))
             n.replace_all_uses_with(lst)
         g.erase_node(n)
+        pos = {m: i for i, m in enumerate(g.nodes)}    # after a rewrite only
     return gm
 
 
