@@ -117,10 +117,6 @@ class Expander(fx.Interpreter):
             return handler(self, self.node, args, kwargs)
         if isinstance(target, _torch.OpOverload):
             args, kwargs = self.policy.before_op(self, self.node, target, args, kwargs)
-            if target.overloadpacket.__name__ in _FOREACH_ELEMENTWISE:
-                local = _foreach_locally(self, target, args, kwargs)
-                if local is not None:
-                    return local
         return super().call_function(target, args, kwargs)
 
     def run_node(self, n):
@@ -247,64 +243,6 @@ def _shard_map(ex: Expander, node, args, kwargs):
     else:
         outs = region.run_local(ex.locals_of(inputs, region.in_placements))
     return ex.globals_of(outs, region.out_placements, region.out_shapes)
-
-
-# -- multi-tensor ops: element by element, locally ------------------------------------------
-
-# NOTE [Multi-tensor ops run locally]
-# The optimizers' foreach ops take lists of every parameter; DTensor plans such an op
-# as one schema over the whole list, expanding every element's strategies over the
-# mesh and costing each, and its cache never hits (no two lists are alike): on a 2x2
-# mesh AdamW's nine foreach ops took half of a GPT's partition time. An elementwise
-# foreach op needs no plan when, element by element, every tensor operand has the same
-# placements and shape and none is a pending sum (the layout the mode's policy gives
-# an optimizer update): it runs on the local shards and each result keeps its
-# element's placements. Anything else goes to DTensor.
-_FOREACH_ELEMENTWISE = {
-    "_foreach_add", "_foreach_sub", "_foreach_mul", "_foreach_div", "_foreach_addcmul",
-    "_foreach_addcdiv", "_foreach_sqrt", "_foreach_lerp", "_foreach_maximum",
-    "_foreach_minimum", "_foreach_neg", "_foreach_abs", "_foreach_exp",
-    "_foreach_reciprocal", "_foreach_sign", "_foreach_clamp_min", "_foreach_clamp_max",
-    "_foreach_pow",
-}
-
-
-def _foreach_locally(ex: Expander, target, args, kwargs):
-    """The op's results computed on local shards (NOTE [Multi-tensor ops run
-    locally]), or None when an element's operands are laid out differently."""
-    lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple))]
-    singles = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    if not lists or any(len(a) != len(lists[0]) for a in lists):
-        return None
-    for s in singles:      # a tensor scalar shared by every element: replicated, 0-d
-        if not (isinstance(s, DTensor) and s.ndim == 0
-                and all(type(p) is Replicate for p in s.placements)):
-            return None
-    firsts = []
-    for i in range(len(lists[0])):
-        elems = [a[i] for a in lists if isinstance(a[i], torch.Tensor)]
-        if not elems or not all(isinstance(e, DTensor) for e in elems):
-            return None
-        head = elems[0]
-        if any(_torch.is_partial(p) for p in head.placements) or any(
-                e.placements != head.placements or e.shape != head.shape for e in elems[1:]):
-            return None
-        firsts.append(head)
-
-    # The local tensors directly, and DTensors from precomputed specs: to_local() and
-    # from_local() are autograd functions that each trace a view_as (two nodes per
-    # element per op, a third of a GPT-2-small expansion's time).
-    def local(a):
-        if isinstance(a, DTensor):
-            return _torch.local_tensor(a)
-        if isinstance(a, (list, tuple)):
-            return [local(x) for x in a]
-        return a
-
-    outs = target(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
-    dm = ex.mesh.device_mesh
-    return [_torch.make_dtensor(o, _torch.build_dtensor_spec(dm, h.placements, h.shape, h.stride(), o.dtype))
-            for o, h in zip(outs, firsts)]
 
 
 # -- placement helpers ------------------------------------------------------------------------
