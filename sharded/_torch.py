@@ -235,6 +235,21 @@ foreach_addcmul = torch._foreach_addcmul
 foreach_sqrt = torch._foreach_sqrt
 
 
+def fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
+                weight_decay, eps):
+    """AdamW as one fused kernel over lists (the one ``torch.optim.AdamW(fused=True)``
+    runs), functional: returns new ``(params, exp_avgs, exp_avg_sqs)``. A pass that
+    finds the inputs dead afterwards may run it in place (``_fused_adamw_``)."""
+    out = torch.ops.aten._fused_adamw.default(
+        params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    return out[0], out[2], out[3]
+
+
+FUSED_ADAMW = torch.ops.aten._fused_adamw.default
+FUSED_ADAMW_INPLACE = torch.ops.aten._fused_adamw_.default
+
+
 def suspend_dispatch_modes():
     """Run code outside the active fake/proxy modes (e.g. to infer shapes while tracing)."""
     from torch.utils._python_dispatch import _disable_current_modes
