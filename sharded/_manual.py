@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import optree
 import torch
 from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from sharded.mesh import Mesh
 
 _ATTR = "_sharded_vma"
 _STATE = threading.local()
@@ -33,7 +37,7 @@ _STATE = threading.local()
 
 @dataclass
 class ManualContext:
-    mesh: object            # sharded.Mesh
+    mesh: Mesh
     check_vma: bool
     api: str                # e.g. "shard_map(body)", for messages
 
@@ -205,8 +209,8 @@ def pvary(x: torch.Tensor, axes) -> torch.Tensor:
 
 @dataclass
 class ManualBody:
-    fn: object                   # flat local tensors -> flat local tensors
-    mesh: object
+    fn: Callable[..., Any]       # flat local tensors -> flat local tensors
+    mesh: Mesh
     name: str
     check_vma: bool
     in_placements: list          # per input

@@ -369,4 +369,4 @@ def axis_size(axis: str | Sequence[str]) -> int:
 
 
 for _f in (psum, pmean, pmax, pmin, all_gather, psum_scatter, all_to_all, ppermute, axis_index, pvary):
-    _f._sharded_collective = True
+    setattr(_f, "_sharded_collective", True)

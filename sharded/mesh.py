@@ -37,13 +37,20 @@ class Mesh:
     ``with mesh:`` makes it the default for ``pjit``/``shard_map`` called inside.
     """
 
+    device_mesh: DeviceMesh
+    axis_names: tuple[str, ...]
+    shape: tuple[int, ...]
+    device_type: str
+    _sync_group: dist.ProcessGroup | None
+    _group_axes: dict[str, str]
+
     def __new__(cls, shape: Sequence[int], axis_names: Sequence[str], *, device_type=None):
         shape, axis_names = _check_args(shape, axis_names)
         _ensure_process_group(shape, device_type)
         device_type = device_type or _default_device_type()
         key = (id(dist.group.WORLD), shape, axis_names, device_type)
         if key not in _CACHE:
-            dm = init_device_mesh(device_type, shape, mesh_dim_names=axis_names)
+            dm = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(axis_names))
             _CACHE[key] = cls._from_dm(dm)
         return _CACHE[key]
 
@@ -66,7 +73,7 @@ class Mesh:
     def _from_dm(cls, dm: DeviceMesh) -> "Mesh":
         self = object.__new__(cls)
         self.device_mesh = dm
-        self.axis_names = tuple(dm.mesh_dim_names)
+        self.axis_names = tuple(dm.mesh_dim_names or ())
         self.shape = tuple(dm.mesh.shape)
         self.device_type = dm.device_type
         self._sync_group = None
@@ -93,17 +100,20 @@ class Mesh:
 
     @property
     def ndim(self) -> int:
+        """The number of mesh axes."""
         return len(self.shape)
 
     @property
     def rank(self) -> int:
+        """This process's global rank."""
         return dist.get_rank()
 
     def coordinate(self) -> tuple[int, ...]:
         """This rank's coordinate along each axis."""
-        return tuple(self.device_mesh.get_coordinate())
+        return tuple(self.device_mesh.get_coordinate() or ())
 
     def axis_of_group(self, group_name: str) -> str | None:
+        """The mesh axis whose process group is named ``group_name``, or None."""
         return self._group_axes.get(group_name)
 
     def sync_group(self):

@@ -188,7 +188,7 @@ class Pjit:
         static = tuple(args[i] for i in self.static_argnums)
         dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
         leaves, treedef = _tree.flatten(dyn)
-        leaf_keys = []
+        leaf_keys: list[tuple] = []
         for x in leaves:
             if isinstance(x, torch.Tensor) and _torch.is_functorch_wrapped(x):
                 raise TypeError(
@@ -327,7 +327,7 @@ class Pjit:
             self.out_specs, tree, f"{self.name} out_specs",
             is_leaf=lambda x: _tree.is_spec_leaf(x) or x is UNSPECIFIED)
         paths = _tree.leaf_paths(tree, "output")
-        specs = []
+        specs: list = []
         for v, (spath, spec), opath in zip(out_leaves, matched, paths):
             if not isinstance(v, torch.Tensor):
                 continue

@@ -116,7 +116,7 @@ class ShardMap:
         self._infer_outputs(body, local_metas)
         body_id = _manual.register_body(body)
         outs = _ShardMapFn.apply(body_id, *tensors)
-        return _tree.unflatten(flat_body.out_treedef, list(outs))
+        return _tree.unflatten(flat_body.out_treedef, list(outs))  # type: ignore[attr-defined]
 
     def _infer_outputs(self, body, local_metas):
         """Run the body once on fake local shards (outside the trace) for its output
