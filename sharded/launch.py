@@ -101,6 +101,7 @@ class RankPool:
         self._procs: list = []
 
     def start(self, timeout: float = 120.0) -> "RankPool":
+        """Start the ranks (if not running) and wait until each has joined."""
         if self._procs:
             return self
         ctx = mp.get_context("spawn")
@@ -121,6 +122,7 @@ class RankPool:
         return self
 
     def run(self, fn: Callable, *args, timeout: float = 300.0, **kwargs) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; the results in rank order."""
         self.start()
         for box in self._inboxes:
             box.put((fn, args, kwargs))
@@ -153,6 +155,7 @@ class RankPool:
         return [results[r][1] for r in range(self.nprocs)]
 
     def close(self, force: bool = False) -> None:
+        """Stop the ranks (``force``: kill them without waiting)."""
         if not self._procs:
             return
         if not force:

@@ -28,12 +28,16 @@ class Lowered:
         self.layouts = compiled.layouts
 
     def collectives(self):
+        """The collectives of this rank's program, in program order."""
         return collectives(self.local_graph, self.mesh)
 
     def cost(self) -> dict:
+        """Collectives by kind (and ``"total"``): count and bytes moved per call."""
         return cost(self.local_graph, self.mesh)
 
     def as_text(self, which: str = "local") -> str:
+        """The ``"local"`` (this rank's) or ``"global"`` program as Python code,
+        each collective annotated with its kind, shape and mesh axis."""
         gm = self.local_graph if which == "local" else self.global_graph
         calls = {c.node: c for c in collectives(gm, self.mesh)}
         lines = [f"# {self.name} on {self.mesh!r}, rank {self.mesh.rank}, {which} program"]
