@@ -159,13 +159,14 @@ class Trainer:
 
     def restore(self, path: str) -> None:
         """Continue from the checkpoint at ``path``, resharded onto this mesh."""
-        state = checkpoint.load(path, self.state())
         mine = self.tc.as_dict()
-        diff = {k: (v, mine.get(k)) for k, v in state["config"].items() if mine.get(k) != v}
+        saved = checkpoint.load(path, {"config": mine}, strict=False)["config"]
+        diff = {k: (v, mine[k]) for k, v in saved.items() if mine[k] != v}
         if diff:
             raise SystemExit(
                 f"the checkpoint at {path} was trained with another configuration "
                 f"(saved, this run): {diff}; resume with the same model and data flags.")
+        state = checkpoint.load(path, self.state())
         self.params, self.opt, self.step = state["params"], state["opt"], state["step"]
         srandom.set_rng_state(state["rng"])
 
@@ -191,8 +192,12 @@ def train(args, tc: TrainConfig) -> tuple[int, list]:
     mesh_text = ",".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.shape))
     if rank0:
         what = f"resumed at step {trainer.step}" if args.resume else "started"
-        print(f"mesh {mesh_text} ({args.plan} plan over 'tp', DataParallelMode("
-              f"{args.dp_sharding!r}) over 'dp'): {what}", flush=True)
+        how = []
+        if "tp" in mesh.axis_names:
+            how.append(f"{args.plan} plan over 'tp'")
+        if "dp" in mesh.axis_names and mesh.size("dp") > 1:
+            how.append(f"DataParallelMode({args.dp_sharding!r}) over 'dp'")
+        print(f"mesh {mesh_text} ({', '.join(how) or 'one process'}): {what}", flush=True)
     start = trainer.step
     bar = _progress(rank0, trainer.step, args.steps)
     rows, tokens = [], tc.batch_size * tc.model.seq
@@ -300,7 +305,7 @@ def plot(run_dir: str, rows: list, ref: list | None, entropy: float) -> str | No
     ax.axhline(entropy, color="tab:green", ls=":", lw=1, label=f"data entropy ({entropy:.2f})")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title("GPT with dropout: FSDP x TP over a ('dp', 'tp') mesh vs one device")
+    ax.set_title("GPT with dropout under pjit, checkpointed and resumed, vs one device")
     ax.legend()
     fig.tight_layout()
     out = os.path.join(run_dir, "loss.png")
