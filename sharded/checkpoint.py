@@ -90,7 +90,7 @@ def save(path: str | os.PathLike, tree: Any, *, async_save: bool = False) -> Pen
     wait()
     api = "sharded.checkpoint.save"
     path = _abspath(path, api)
-    world, rank, group = _world()
+    world, rank, sync, io = _world()
     try:
         leaves, keys, paths, _ = _flatten(tree, "tree", api)
         lines = _save_signature(leaves, keys, paths, api)
@@ -100,7 +100,7 @@ def save(path: str | os.PathLike, tree: Any, *, async_save: bool = False) -> Pen
         outcome: Any = (_digest(lines), lines, uuid.uuid4().hex)
     except (TypeError, ValueError) as e:
         outcome = e
-    token = _agree_to_save(outcome, world, rank, group, api)
+    token = _agree_to_save(outcome, world, rank, sync, api)
     tmp = _sibling(path, f"partial-{token}")
     if rank == 0:
         _remove_siblings(path, "partial-", keep=tmp)
@@ -108,22 +108,22 @@ def save(path: str | os.PathLike, tree: Any, *, async_save: bool = False) -> Pen
     if not async_save:
         error = None
         try:
-            _dcp_save(state_dict, tmp, group)
+            _dcp_save(state_dict, tmp, io)
         except BaseException as e:  # noqa: BLE001 - reported on every rank by _publish
             error = e
-        _publish(path, tmp, rank, group, error, api)
+        _publish(path, tmp, rank, io, error, api)
         return None
     staged = _stage(state_dict)
     future: Future = Future()
     pending = PendingSave(path, future)
     _PENDING.append(pending)
     try:
-        dcp_future = _dcp_save(staged, tmp, group, use_async=True)
+        dcp_future = _dcp_save(staged, tmp, io, use_async=True)
     except BaseException as e:  # noqa: BLE001
         dcp_future = Future()
         dcp_future.set_exception(e)
     thread = threading.Thread(
-        target=_finish_async, args=(dcp_future, future, path, tmp, rank, group, api),
+        target=_finish_async, args=(dcp_future, future, path, tmp, rank, io, api),
         name=f"sharded-checkpoint-{os.path.basename(path)}",
     )
     thread.start()
@@ -151,22 +151,27 @@ def load(path: str | os.PathLike, like: Any, *, strict: bool = True) -> Any:
     wait()
     api = "sharded.checkpoint.load"
     path = _abspath(path, api)
-    world, rank, group = _world()
+    world, rank, sync, io = _world()
     try:
         leaves, keys, paths, treedef = _flatten(like, "like", api)
         path = _resolve(path, api)
         metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         _check_like(leaves, keys, paths, metadata, strict, path, api)
-        outcome: Any = (_digest([f"{k} {_kind(x)}" for k, x in zip(keys, leaves)]), [], "")
+        lines = [f"{p}: {_kind(x)}" for p, x in zip(paths, leaves)]
+        outcome: Any = (_digest(lines), lines)
     except (TypeError, ValueError, OSError, CheckpointError) as e:
         outcome = e
     if world > 1:
-        _agree(outcome, rank, group, api, "load")
+        gathered = _agree(outcome, rank, sync, api, "load")
+        for r, (digest, other) in enumerate(gathered):
+            if digest != gathered[0][0]:
+                raise CheckpointError(f"{api}: every rank must load with the same like; "
+                                      + _first_difference(gathered[0][1], other, r, "like"))
     elif isinstance(outcome, BaseException):
         raise outcome
     state_dict = {k: _target(x, metadata[k]) for k, x in zip(keys, leaves)}
     try:
-        _dcp_load(state_dict, path, group)
+        _dcp_load(state_dict, path, io)
     except BaseException as e:  # noqa: BLE001
         raise CheckpointError(f"{api}({path!r}) failed while reading: {e}") from None
     return _tree.unflatten(treedef, [state_dict[k] for k in keys])
@@ -279,9 +284,11 @@ def _save_signature(leaves, keys, paths, api: str) -> list[str]:
                 f"{tuple(mesh.mesh.shape)} {mesh.mesh_dim_names} as {tuple(x.placements)}"
             )
         elif isinstance(x, torch.Tensor):
-            lines.append(f"{p}: tensor {tuple(x.shape)} {x.dtype} value {_tensor_digest(x)}")
+            lines.append(f"{p}: tensor {tuple(x.shape)} {x.dtype}, values {_tensor_digest(x)}")
         else:
-            lines.append(f"{p}: {type(x).__name__} {x!r:.60} value {_digest([repr(x)])}")
+            r = repr(x)
+            shown = r if len(r) <= 60 else f"{r[:50]}... (digest {_digest([r])[:12]})"
+            lines.append(f"{p}: {type(x).__name__} {shown}")
     return lines
 
 
@@ -350,25 +357,30 @@ def _target(x, md):
 
 
 def _world():
-    """(world size, rank, the checkpoint group or None without a process group)."""
+    """(world size, rank, the agreement group, the I/O group); the groups are None
+    without a process group.
+
+    Both are gloo groups over the world with bounded timeouts, so that a rank that
+    dies or never calls save/load makes the others fail instead of hang: ranks agree
+    on what to do over one with ``SHARDED_SYNC_TIMEOUT`` seconds (default 300, as for
+    pjit's agreement); DCP coordinates its writes and reads over the other, whose
+    collectives wait for the slowest rank's I/O, with ``SHARDED_CHECKPOINT_TIMEOUT``
+    seconds (default 1800). They are created the first time every rank calls save or
+    load."""
     if not dist.is_available() or not dist.is_initialized():
-        return 1, 0, None
-    return dist.get_world_size(), dist.get_rank(), _group()
-
-
-_GROUPS: dict[int, Any] = {}
-
-
-def _group():
-    """A gloo group over the world with a bounded timeout (``SHARDED_CHECKPOINT_TIMEOUT``
-    seconds, default 1800), used for DCP's coordination and the checks here, so that a
-    rank that dies or never calls save makes the others fail instead of hang. Created
-    the first time every rank calls save or load."""
+        return 1, 0, None, None
     key = id(dist.group.WORLD)
     if key not in _GROUPS:
-        secs = float(os.environ.get("SHARDED_CHECKPOINT_TIMEOUT", "1800"))
-        _GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=secs))
-    return _GROUPS[key]
+        _GROUPS[key] = tuple(
+            dist.new_group(backend="gloo", timeout=datetime.timedelta(
+                seconds=float(os.environ.get(var, default))))
+            for var, default in (("SHARDED_SYNC_TIMEOUT", "300"),
+                                 ("SHARDED_CHECKPOINT_TIMEOUT", "1800")))
+    sync, io = _GROUPS[key]
+    return dist.get_world_size(), dist.get_rank(), sync, io
+
+
+_GROUPS: dict[int, tuple] = {}
 
 
 def _agree_to_save(outcome, world: int, rank: int, group, api: str) -> str:
@@ -382,8 +394,8 @@ def _agree_to_save(outcome, world: int, rank: int, group, api: str) -> str:
     ref = gathered[0]
     for r, (digest, lines, _) in enumerate(gathered):
         if digest != ref[0]:
-            raise CheckpointError(f"{api}: every rank must save the same tree; " + _first_difference(
-                ref[1], lines, r))
+            raise CheckpointError(f"{api}: every rank must save the same tree; "
+                                  + _first_difference(ref[1], lines, r, "tree"))
     return ref[2]
 
 
@@ -405,16 +417,17 @@ def _agree(outcome, rank: int, group, api: str, what: str) -> list:
     return [p[1] for p in gathered]
 
 
-def _first_difference(ref: list[str], lines: list[str], r: int) -> str:
+def _first_difference(ref: list[str], lines: list[str], r: int, what: str) -> str:
+    hint = (" Plain tensors and Python scalars are written once, so they must be equal "
+            "on every rank; DTensors must have the same global shape, dtype and layout."
+            if what == "tree" else "")
     for i in range(max(len(ref), len(lines))):
         a = ref[i] if i < len(ref) else "<nothing>"
         b = lines[i] if i < len(lines) else "<nothing>"
         if a != b:
             return (f"rank {r} differs from rank 0 at leaf {i}:\n    rank 0: {a}\n    "
-                    f"rank {r}: {b}\n  Plain tensors and Python scalars are written once, so "
-                    f"they must be equal on every rank; DTensors must have the same global "
-                    f"shape, dtype and layout.")
-    return "their trees differ."
+                    f"rank {r}: {b}\n {hint}")
+    return f"their {what}s differ."
 
 
 # ---------------------------------------------------------------------------

@@ -370,16 +370,24 @@ def _rank_dependent(path: str):
         checkpoint.load(path, like)
     except (ValueError, CheckpointError) as e:
         errors.append(f"{type(e).__name__}: {e}")
+    # likes that are each valid but differ between ranks
+    like = {"x": shard(torch.zeros(4), P(), mesh) if mesh.rank == 0 else torch.zeros(4)}
+    try:
+        checkpoint.load(path, like)
+    except CheckpointError as e:
+        errors.append(str(e))
     return errors
 
 
 def test_ranks_that_disagree_fail_together(tmp_path, on_ranks):
     res = on_ranks(2, _rank_dependent, str(tmp_path / "ckpt"))
     for rank, errors in enumerate(res):
-        assert len(errors) == 3, errors
+        assert len(errors) == 4, errors
         assert "rank 1 differs from rank 0" in errors[0] and "tree['step']" in errors[0]
         assert "tree['g'] holds a pending reduction" in errors[1]
         if rank == 1:
             assert errors[2].startswith("ValueError") and "like['extra']" in errors[2]
         else:
             assert errors[2].startswith("CheckpointError") and "rank 1 failed" in errors[2]
+        assert "every rank must load with the same like" in errors[3], errors[3]
+        assert "rank 0: like['x']: dtensor" in errors[3] and "rank 1: like['x']: tensor" in errors[3]
