@@ -6,13 +6,16 @@
     torchrun --nproc-per-node 4 examples/ring_attention.py   # same, via torchrun
 
 q, k and v are [batch, heads, seq, head_dim] with the sequence split over mesh axis
-"sp". Each rank keeps its block of queries and passes its key/value block around the
-ring with ``collectives.ppermute``, one hop per step for ``axis_size("sp")`` steps,
-folding each block into a running (max, sum, weighted sum) softmax as flash attention
-does. No rank ever holds the full sequence. The gradient of q, k and v comes from
-``torch.func.grad`` inside ``pjit``: the ppermutes' transposes send the cotangents
-around the ring the other way. Rank 0 prints the differences from one device and the
-collectives per call.
+"sp", and a key-padding bias [batch, 1, 1, seq] (0 for a real key, -inf for padding)
+split the same way. Each rank keeps its block of queries and passes its key/value
+block and its bias block around the ring with ``collectives.ppermute`` (point-to-
+point: the -inf entries arrive as they left), one hop per step for
+``axis_size("sp")`` steps, folding each block into a running (max, sum, weighted sum)
+softmax as flash attention does; the running max starts at -inf. No rank ever holds
+the full sequence. The gradient of q, k and v comes from ``torch.func.grad`` inside
+``pjit``: the ppermutes' transposes send the cotangents around the ring the other
+way. Rank 0 prints the differences from single-device SDPA and the collectives per
+call.
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ from transforms import pjit, shard_map
 SPEC = P(None, None, "sp", None)         # [batch, heads, seq, head_dim]: seq over "sp"
 
 
-def ring_attention_block(q, k, v, causal: bool = False):
+def ring_attention_block(q, k, v, bias, causal: bool = False):
     """This rank's output rows: its queries against every rank's keys and values.
 
-    At step t the rank at ring position i holds the k/v block of position i - t
-    (mod n); each block updates the running row max ``m``, the running softmax
-    denominator ``l`` and the running numerator ``acc``.
+    At step t the rank at ring position i holds the k/v/bias block of position i - t
+    (mod n); each block updates the running row max ``m`` (from -inf), the running
+    softmax denominator ``l`` and the running numerator ``acc``.
     """
     n = C.axis_size("sp")
     ring = [(i, (i + 1) % n) for i in range(n)]      # each rank sends to the next
@@ -44,69 +47,86 @@ def ring_attention_block(q, k, v, causal: bool = False):
     scale = q.shape[-1] ** -0.5
     rows = me * blk + torch.arange(blk)               # global query positions
 
-    m = l = acc = None
+    m = torch.full((*q.shape[:-1], 1), float("-inf"))
+    l = torch.zeros((*q.shape[:-1], 1))
+    acc = torch.zeros_like(q)
     for step in range(n):
-        s = (q @ k.transpose(-2, -1)) * scale        # [b, h, blk, blk]
+        s = (q @ k.transpose(-2, -1)) * scale + bias  # [b, h, blk, blk]; -inf: padding
         if causal:
             src = (me - step) % n                     # whose k/v block this is
             cols = src * blk + torch.arange(blk)
             s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
-        # The output does not depend on m (it cancels), so m carries no gradient.
-        # Step 0 is the rank's own block: with causal, every row has its diagonal.
-        blk_max = s.amax(-1, keepdim=True).detach()
-        if step == 0:
-            m_new = blk_max
-            p = torch.exp(s - m_new)
-            l, acc = p.sum(-1, keepdim=True), p @ v
-        else:
-            m_new = torch.maximum(m, blk_max)
-            corr = torch.exp(m - m_new)
-            p = torch.exp(s - m_new)
-            l = l * corr + p.sum(-1, keepdim=True)
-            acc = acc * corr + p @ v
+        # The output does not depend on m (it cancels), so m carries no gradient. A row
+        # whose keys so far are all masked keeps m = -inf: shift by 0 there instead.
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True)).detach()
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - shift)
+        corr = torch.exp(m - shift)
+        l = l * corr + p.sum(-1, keepdim=True)
+        acc = acc * corr + p @ v
         m = m_new
-        if step < n - 1:                              # pass k/v one hop along the ring
-            k = C.ppermute(k, "sp", ring)
-            v = C.ppermute(v, "sp", ring)
+        if step < n - 1:                              # pass k/v/bias one hop along the ring
+            k, v, bias = (C.ppermute(t, "sp", ring) for t in (k, v, bias))
     return acc / l
 
 
+BIAS_SPEC = P(None, None, None, "sp")      # [batch, 1, 1, seq]: keys over "sp"
+
+
 def make_ring(mesh, causal: bool):
-    return shard_map(lambda q, k, v: ring_attention_block(q, k, v, causal), mesh=mesh,
-                     in_specs=(SPEC, SPEC, SPEC), out_specs=SPEC)
+    return shard_map(lambda q, k, v, bias: ring_attention_block(q, k, v, bias, causal),
+                     mesh=mesh, in_specs=(SPEC, SPEC, SPEC, BIAS_SPEC), out_specs=SPEC)
+
+
+def padding_bias(batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
+    """0 for real keys, -inf for padded ones; key 0 is never padded, so no row is
+    masked everywhere (SDPA gives NaN for such rows)."""
+    pad = torch.rand(batch, seq, generator=g) < 0.3
+    pad[:, 0] = False
+    return torch.zeros(batch, 1, 1, seq).masked_fill(pad[:, None, None, :], float("-inf"))
+
+
+def sdpa(q, k, v, bias, causal: bool):
+    mask = bias
+    if causal:
+        n = q.shape[-2]
+        mask = mask + torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1),
+                                                    float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def main(nprocs: int, causal: bool, batch: int, heads: int, seq: int, head_dim: int):
     mesh = Mesh((nprocs,), ("sp",))
     g = torch.Generator().manual_seed(0)               # the same inputs on every rank
     q, k, v = (torch.randn(batch, heads, seq, head_dim, generator=g) for _ in range(3))
+    bias = padding_bias(batch, seq, g)
     w = torch.randn(batch, heads, seq, head_dim, generator=g)
 
     ring = make_ring(mesh, causal)
-    out = gather(ring(q, k, v))          # ring(...) is a DTensor laid out as SPEC
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    out = gather(ring(q, k, v, bias))    # ring(...) is a DTensor laid out as SPEC
+    ref = sdpa(q, k, v, bias, causal)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
     def loss_of(attn):
-        return lambda q, k, v: (attn(q, k, v) * w).sum()
+        return lambda q, k, v, bias: (attn(q, k, v, bias) * w).sum()
 
     grad_fn = pjit(torch.func.grad(loss_of(ring), argnums=(0, 1, 2)),
-                   in_specs=(SPEC, SPEC, SPEC), mesh=mesh)
-    grads = gather(grad_fn(q, k, v))
-    ref_grads = torch.func.grad(
-        loss_of(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)),
-        argnums=(0, 1, 2))(q, k, v)
+                   in_specs=(SPEC, SPEC, SPEC, BIAS_SPEC), mesh=mesh)
+    grads = gather(grad_fn(q, k, v, bias))
+    ref_grads = torch.func.grad(loss_of(lambda q, k, v, b: sdpa(q, k, v, b, causal)),
+                                argnums=(0, 1, 2))(q, k, v, bias)
     torch.testing.assert_close(grads, ref_grads, rtol=1e-5, atol=1e-5)
 
     # lower() traces and partitions without communicating; gather() is collective,
     # so it stays above, on every rank.
-    fwd_lowered, grad_lowered = ring.lower(q, k, v), grad_fn.lower(q, k, v)
+    fwd_lowered, grad_lowered = ring.lower(q, k, v, bias), grad_fn.lower(q, k, v, bias)
     if mesh.rank == 0:
         def counts(lowered):
             return {kind: c["count"] for kind, c in lowered.cost().items() if kind != "total"}
 
         print(f"mesh {{'sp': {nprocs}}}, q/k/v {tuple(q.shape)} (seq block "
-              f"{seq // nprocs} per rank), causal={causal}")
+              f"{seq // nprocs} per rank), causal={causal}, padded keys: "
+              f"{int(torch.isinf(bias).sum())} of {batch * seq}")
         print(f"  max |ring - sdpa| output: {(out - ref).abs().max().item():.2e}")
         for name, a, b in zip("qkv", grads, ref_grads):
             print(f"  max |ring - sdpa| d{name}:    {(a - b).abs().max().item():.2e}")

@@ -1,4 +1,4 @@
-"""Manual regions (the inside of shard_map): the mesh they run on, and which values
+"""Manual regions (the inside of shard_map): the mesh a body runs on, and which values
 vary over which mesh axes.
 
 # NOTE [Varying manual axes]
@@ -11,22 +11,42 @@ transpose is a ``psum`` of the cotangent over those axes. That is what makes the
 gradient of a replicated parameter used with a sharded batch the sum of the per-rank
 contributions, as in the single-device program (JAX's check_vma, the same rules).
 
-The sets are tracked while the body is traced (never at run time) by a
-TorchFunctionMode that tags every tensor result with the union of its inputs' sets
-and inserts the implicit ``pvary``. Tags live on the tensor objects; tensors the
-tracker never saw (made inside a nested torch.func transform) are treated as varying
-over every axis of the region.
+# NOTE [Two trackers: dispatch level and function level]
+The set of every value (its "vma") is computed by a TorchDispatchMode, which sees
+every aten op the body runs on plain tensors: below autograd and below torch.func,
+so also the ops of a torch.func.grad/vmap nested in the body, the backward ops that
+autograd runs, in-place ops and factories. Its rule is JAX's: a result varies over
+the union of its tensor inputs' axes; a collective has its own rule (registered in
+``VMA_RULES`` beside the collective); an in-place op updates the destination's set
+(and its base's). A tensor no op of the region produced (a constant the body closes
+over) is invariant: it is the same Python value on every rank.
+
+The implicit ``pvary`` must be visible to autograd, so a TorchFunctionMode (above
+autograd) inserts it: when a call's floating-point tensor arguments vary over
+different axes, the less varying ones are ``pvary``'d to the union. It reads a
+torch.func wrapper's set from the plain tensor under it (the same object the
+dispatch tracker tagged). The sets are tags on those plain tensors, scoped by a
+token per region run, so a stale tag from another run is never read.
+
+The function mode also guards the boundary of the region: a DTensor in the body is
+an error (bodies see local tensors); in a traced body, a traced value of the
+enclosing program that the body closes over is captured as an extra replicated
+input (NOTE [Closures] in sharded/_region.py); in an eager body, Python control flow
+on a varying value (``bool``, ``item``) is an error, since ranks would take
+different paths.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import optree
 import torch
 from torch.overrides import TorchFunctionMode
+
+from sharded import _torch
 
 if TYPE_CHECKING:
     from sharded.mesh import Mesh
@@ -34,12 +54,96 @@ if TYPE_CHECKING:
 _ATTR = "_sharded_vma"
 _STATE = threading.local()
 
+# op overload -> rule(args, kwargs) -> frozenset of axes its result varies over
+VMA_RULES: dict[object, Callable] = {}
+
 
 @dataclass
 class ManualContext:
     mesh: Mesh
     check_vma: bool
-    api: str                # e.g. "shard_map(body)", for messages
+    api: str                     # e.g. "shard_map(body)", for messages
+    eager: bool = False          # True: real values, collectives run now
+    fake_mode: object = None     # traced: the region's FakeTensorMode
+    rng_state: object = None     # traced: the region's (seed, offset) input
+    n_draws: int = 0             # traced: random draws so far
+    captures: dict = field(default_factory=dict)   # id(outer value) -> stand-in
+    new_captures: list = field(default_factory=list)
+    outer_transforms: bool = False   # traced under a torch.func transform of the program
+    token: object = field(default_factory=object)
+
+    # -- the region's boundary ----------------------------------------------------
+    def local_value(self, x, below_transforms: bool = False):
+        """``x`` as the body may use it: DTensors are an error, a traced value of the
+        enclosing program is replaced by its capture (see NOTE [Closures])."""
+        if _torch.is_dtensor(x):   # (not a TypeError: Python turns those into NotImplemented)
+            raise ValueError(
+                f"{self.api}: the body uses a DTensor of shape {tuple(x.shape)}; a shard_map "
+                f"body sees local tensors. Pass it as an argument with an in_spec instead "
+                f"of closing over it."
+            )
+        if self.eager:
+            return x
+        base = _torch.functorch_base(x)
+        if _torch.is_fake(base) and _torch.fake_mode_of(base) is not self.fake_mode:
+            return self.capture(x, base, below_transforms)
+        return x
+
+    def capture(self, x, base, below_transforms: bool = False):
+        """The stand-in for a traced value of the enclosing program (keyed by the
+        tensor under any torch.func wrapper: a transform inside the body wraps it
+        anew each time)."""
+        entry = self.captures.get(id(base))
+        if entry is None and below_transforms and self.outer_transforms:
+            # Seen first under a transform of the body, the value is known only by the
+            # tensor under the enclosing transform's wrapper: capturing that would cut
+            # the enclosing transform's gradient path (a silently missing gradient).
+            from sharded._region import _closure_under_transforms
+
+            raise _closure_under_transforms(self.api)
+        if entry is None:
+            with untracked():
+                stand_in = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            entry = self.captures[id(base)] = (x, stand_in)
+            self.new_captures.append(x)
+        return entry[1]
+
+    def check_concrete(self, what: str, x) -> None:
+        """Python control flow on a tensor value (``bool(x)``, ``x.item()``)."""
+        if self.eager:
+            axes = vma_of(x)
+            if axes:
+                a = _ordered(self.mesh, axes)[0]
+                raise ValueError(
+                    f"{self.api}: {what} on a value that varies over mesh axis {a!r}: "
+                    f"ranks could take different paths and then wait for each other's "
+                    f"collectives forever. Python control flow may depend only on values "
+                    f"that are the same on every rank: reduce it first (psum/pmax/"
+                    f"all_gather over {a!r}), or use torch.where."
+                )
+            return
+        if _torch.is_fake(_torch.functorch_base(x)):
+            raise ValueError(
+                f"{self.api}: {what} needs a concrete value, but inside a function that "
+                f"pjit traces, the shard_map body is traced with abstract values. Use "
+                f"torch.where for value-dependent choices, or call the shard_map outside "
+                f"pjit (eagerly), where control flow on values that are the same on every "
+                f"rank (a psum, a pmax) is allowed."
+            )
+
+    # -- random draws -------------------------------------------------------------
+    def next_draw(self, device) -> tuple[torch.Tensor, int]:
+        """(rng state, draw number) for the next random op of the body."""
+        if not self.eager:
+            draw = self.n_draws
+            self.n_draws += 1
+            return self.rng_state, draw
+        from sharded import random as srandom
+
+        with untracked():
+            srandom._agree_on_seed(self.mesh)
+            seed, offset = srandom._take(1, device)
+            return torch.stack([seed, offset]), 0
 
 
 def current(api: str) -> ManualContext:
@@ -58,13 +162,12 @@ def active() -> ManualContext | None:
 
 
 class manual_region:
-    """Context: run a shard_map body (tracks varying axes when check_vma)."""
+    """Context: run (or trace) a shard_map body, tracking varying axes."""
 
     def __init__(self, ctx: ManualContext):
         self.ctx = ctx
-        # Always tracked: the implicit pvary is what makes gradients right;
-        # check_vma only decides whether outputs are checked against their specs.
-        self.mode = _VmaMode(ctx)
+        self.fn_mode = _VmaFunctionMode(ctx)
+        self.dispatch_mode = _VmaDispatchMode(ctx)
 
     def __enter__(self):
         if getattr(_STATE, "ctx", None) is not None:
@@ -72,21 +175,20 @@ class manual_region:
                 f"{self.ctx.api}: shard_map inside another shard_map body is not supported."
             )
         _STATE.ctx = self.ctx
-        if self.mode is not None:
-            self.mode.__enter__()
+        self.fn_mode.__enter__()
+        self.dispatch_mode.__enter__()
         return self
 
     def __exit__(self, *exc):
         try:
-            if self.mode is not None:
-                self.mode.__exit__(*exc)
+            self.dispatch_mode.__exit__(*exc)
+            self.fn_mode.__exit__(*exc)
         finally:
             _STATE.ctx = None
 
 
 class untracked:
-    """Run a collective's internals without varying-axes tracking (it sets its
-    result's axes itself)."""
+    """Run internals (a collective's lowering, the RNG tracker) without tracking."""
 
     def __enter__(self):
         self.prev = getattr(_STATE, "raw", False)
@@ -96,219 +198,181 @@ class untracked:
         _STATE.raw = self.prev
 
 
+def _raw() -> bool:
+    return getattr(_STATE, "raw", False)
+
+
 # -- the sets -----------------------------------------------------------------------
 
 def vma_of(x) -> frozenset:
-    v = getattr(x, _ATTR, None)
-    if v is None:
-        ctx = active()
-        return frozenset(ctx.mesh.axis_names) if ctx is not None else frozenset()
-    return v
+    """The mesh axes ``x`` may vary over (empty: the same on every rank)."""
+    tag = getattr(_torch.functorch_base(x), _ATTR, None)
+    ctx = active()
+    if tag is None or ctx is None or tag[0] is not ctx.token:
+        return frozenset()
+    return tag[1]
 
 
 def set_vma(x, axes) -> None:
-    if isinstance(x, torch.Tensor):
-        try:
-            setattr(x, _ATTR, frozenset(axes))
-        except (AttributeError, RuntimeError):
-            pass
+    ctx = active()
+    if ctx is None or not isinstance(x, torch.Tensor):
+        return
+    try:
+        setattr(_torch.functorch_base(x), _ATTR, (ctx.token, frozenset(axes)))
+    except (AttributeError, RuntimeError):
+        pass
 
 
-class _VmaMode(TorchFunctionMode):
-    def __init__(self, ctx: ManualContext):
-        super().__init__()
-        self.ctx = ctx
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(_STATE, "raw", False):
-            return func(*args, **kwargs)   # inside a collective: it sets its own sets
-        if func in _PASSTHROUGH:
-            return func(*args, **kwargs)
-        flat, spec = _flatten((args, kwargs))
-        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        if not tensors:   # factories (zeros, arange, tensor(...)): the same on every rank
-            out = func(*args, **kwargs)
-            for r in _flatten(out)[0]:
-                set_vma(r, ())
-            return out
-        sets = [vma_of(t) for t in tensors]
-        union = frozenset().union(*sets)
-        if len(set(sets)) > 1 and _is_compute(func):
-            flat = [
-                pvary(x, union - vma_of(x)) if isinstance(x, torch.Tensor) and vma_of(x) != union else x
-                for x in flat
-            ]
-            args, kwargs = _unflatten(spec, flat)
-        out = func(*args, **kwargs)
-        for r in _flatten(out)[0]:
-            if isinstance(r, torch.Tensor) and getattr(r, _ATTR, None) is None:
-                set_vma(r, union)
-        return out
+def _ordered(mesh, axes) -> tuple:
+    return tuple(a for a in mesh.axis_names if a in axes)
 
 
-# Autograd machinery takes tensors but computes nothing the sets apply to (and
-# pvary'ing the outputs handed to autograd.grad would cut them from their graph).
-_PASSTHROUGH = {
-    torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward,
-    torch.Tensor.requires_grad_, torch.Tensor.retain_grad, torch.Tensor.register_hook,
-}
-
-
-def _is_compute(func) -> bool:
-    # Metadata queries and in-place setters take tensors but make no new values.
-    name = getattr(func, "__name__", "")
-    return name not in {"__get__", "__set__", "size", "dim", "numel", "stride", "is_contiguous"}
-
-
-def _flatten(tree):
-    return optree.tree_flatten(tree, none_is_leaf=True)
-
-
-def _unflatten(spec, leaves):
-    return optree.tree_unflatten(spec, leaves)
-
-
-# -- pvary ----------------------------------------------------------------------------
-
-class _PVary(torch.autograd.Function):
-    @staticmethod
-    def forward(x, axes):
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.axes = inputs[1]
-
-    @staticmethod
-    def backward(ctx, ct):
-        from sharded.collectives import psum
-
-        return psum(ct, ctx.axes), None
-
-
-def pvary(x: torch.Tensor, axes) -> torch.Tensor:
-    """Mark ``x`` as varying over ``axes`` (identity; its transpose is psum)."""
-    axes = tuple(sorted(axes, key=str))
-    if not axes:
-        return x
-    out = _PVary.apply(x, axes)
-    set_vma(out, vma_of(x) | set(axes))
-    return out
-
-
-# -- bodies in traced programs ------------------------------------------------------------
-# NOTE [shard_map in a traced program]
-# Inside pjit's global trace, a shard_map call becomes one ``sharded::shard_map`` op
-# (and, under torch.func.grad, a ``sharded::shard_map_vjp`` op for its backward). Both
-# name a registered ManualBody. The partitioner runs the body on this rank's shards
-# (``run_body``), so the body's ops and collectives are traced straight into the local
-# program; the vjp op re-runs the body under torch.func.vjp, whose forward collectives
-# CSE merges with the forward op's.
-
-
-@dataclass
-class ManualBody:
-    fn: Callable[..., Any]       # flat local tensors -> flat local tensors
-    mesh: Mesh
-    name: str
-    check_vma: bool
-    in_placements: list          # per input
-    in_vma: list                 # frozenset of axes each input varies over
-    out_placements: list         # per output
-    out_allowed: list            # axes each output may vary over (its spec's axes)
-    out_paths: list              # "out_specs[0]" etc., for messages
-    out_shapes: list             # global
-    out_dtypes: list
-
-
-_BODIES: list[ManualBody] = []
-
-
-def register_body(body: ManualBody) -> int:
-    _BODIES.append(body)
-    return len(_BODIES) - 1
-
-
-def get_body(body_id: int) -> ManualBody:
-    return _BODIES[body_id]
-
-
-def run_body(body: ManualBody, local_inputs: list, describe=None) -> list:
-    """Run ``body`` on this rank's shards and check its outputs' varying axes.
-    ``describe(outs)``, if given, fills in the body's output layouts first (the
-    trace-time run that infers them)."""
-    with manual_region(ManualContext(body.mesh, body.check_vma, body.name)):
-        return _body_outputs(body, local_inputs, describe)
-
-
-def _body_outputs(body: ManualBody, local_inputs: list, describe=None) -> list:
-    for x, v in zip(local_inputs, body.in_vma):
-        set_vma(x, v)
-    outs = list(body.fn(*local_inputs))
-    if describe is not None:
-        describe(outs)
-    if body.check_vma:
-        for o, allowed, path in zip(outs, body.out_allowed, body.out_paths):
-            extra = vma_of(o) - allowed
-            if extra:
-                axis = sorted(extra)[0]
-                raise ValueError(
-                    f"{path} does not name mesh axis {axis!r}, so the "
-                    f"output must be the same on every rank along it, but the function "
-                    f"leaves it varying over {axis!r}. Reduce it (psum/pmean/"
-                    f"all_gather over {axis!r}) or add {axis!r} to its spec. "
-                    f"(check_vma=False skips this check.)"
-                )
-    return outs
-
-
-@torch.library.custom_op("sharded::shard_map", mutates_args=())
-def _shard_map_op(inputs: list[torch.Tensor], body_id: int) -> list[torch.Tensor]:
-    raise RuntimeError("sharded::shard_map runs only inside pjit's partitioner.")
-
-
-@_shard_map_op.register_fake
-def _(inputs, body_id):
-    b = get_body(body_id)
-    device = inputs[0].device if inputs else torch.device("cpu")
-    return [torch.empty(s, dtype=d, device=device) for s, d in zip(b.out_shapes, b.out_dtypes)]
-
-
-@torch.library.custom_op("sharded::shard_map_vjp", mutates_args=())
-def _shard_map_vjp_op(inputs: list[torch.Tensor], cotangents: list[torch.Tensor],
-                      body_id: int) -> list[torch.Tensor]:
-    raise RuntimeError("sharded::shard_map_vjp runs only inside pjit's partitioner.")
-
-
-@_shard_map_vjp_op.register_fake
-def _(inputs, cotangents, body_id):
-    return [torch.empty_like(x) for x in inputs]
-
-
-SHARD_MAP_OP = torch.ops.sharded.shard_map.default
-SHARD_MAP_VJP_OP = torch.ops.sharded.shard_map_vjp.default
+def _leaves(tree) -> list:
+    return optree.tree_leaves(tree, none_is_leaf=True)
 
 
 def differentiable(x: torch.Tensor) -> bool:
     return x.dtype.is_floating_point or x.dtype.is_complex
 
 
-def run_body_vjp(body: ManualBody, local_inputs: list, local_cts: list) -> list:
-    """Gradients of the body's inputs on this rank (zeros for integer inputs)."""
-    which = [i for i, x in enumerate(local_inputs) if differentiable(x)]
+def varying_to(x, axes: frozenset):
+    """``x`` pvary'd to vary over ``axes`` (a superset of its own)."""
+    from sharded.collectives import pvary
 
-    def f(*xs):
-        full = list(local_inputs)
-        for i, x in zip(which, xs):
-            full[i] = x
-        return _body_outputs(body, full)
+    missing = axes - vma_of(x)
+    # in mesh order: a set's order differs between processes (string hashing), and the
+    # ranks must build the same program
+    return pvary(x, _ordered(active().mesh, missing)) if missing else x
 
-    # Forward and backward both run in the region: transposes call collectives.
-    with manual_region(ManualContext(body.mesh, body.check_vma, body.name)):
-        outs, vjp_fn = torch.func.vjp(f, *[local_inputs[i] for i in which])
-        grads = vjp_fn([ct.to(o.dtype) for ct, o in zip(local_cts, outs)])
-    result = [torch.zeros_like(x) for x in local_inputs]
-    for i, g in zip(which, grads):
-        result[i] = g
-    return result
+
+# -- the dispatch-level tracker ----------------------------------------------------------
+
+class _VmaDispatchMode(_torch.dispatch_mode_base()):
+    """Sets the vma of every result (NOTE [Two trackers])."""
+
+    def __init__(self, ctx: ManualContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _raw():
+            return func(*args, **kwargs)
+        if not self.ctx.eager:       # captures that a transform in the body wrapped
+            flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+            local = [self.ctx.local_value(x, below_transforms=True) if isinstance(x, torch.Tensor)
+                     else x for x in flat]
+            if any(a is not b for a, b in zip(local, flat)):
+                args, kwargs = optree.tree_unflatten(spec, local)
+        rule = VMA_RULES.get(func)
+        if rule is not None:
+            out = func(*args, **kwargs)
+            set_vma(out, rule(args, kwargs))
+            return out
+        from sharded.random import rewrite
+
+        if rewrite.is_random_call(func, args, kwargs):
+            return rewrite.draw_in_region(self.ctx, func, args, kwargs)
+        tensors = [x for x in _leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        union = frozenset().union(*(vma_of(t) for t in tensors))
+        out = func(*args, **kwargs)
+        for r in _leaves(out):
+            if isinstance(r, torch.Tensor):
+                set_vma(r, union)
+        if union:
+            for w in _torch.written_args(func, args, kwargs):
+                set_vma(w, union)
+                if w._base is not None:
+                    set_vma(w._base, vma_of(w._base) | union)
+        return out
+
+
+# -- the function-level tracker --------------------------------------------------------
+
+_T = torch.Tensor
+# Calls that turn a tensor into a Python value (control flow depends on it).
+_CONCRETIZE = {
+    _T.__bool__: "bool(x)", _T.item: "x.item()", _T.tolist: "x.tolist()",
+    _T.__int__: "int(x)", _T.__float__: "float(x)", _T.__index__: "an index from x",
+    _T.__complex__: "complex(x)", _T.numpy: "x.numpy()",
+}
+# Autograd machinery takes tensors but computes nothing the sets apply to (and
+# pvary'ing the outputs handed to autograd.grad would cut them from their graph).
+_PASSTHROUGH = {
+    torch.autograd.grad, torch.autograd.backward, _T.backward, _T.requires_grad_,
+    _T.retain_grad, _T.register_hook,
+}
+# Metadata queries and attribute access make no new values from several inputs.
+_NO_COMBINE = {"__get__", "__set__", "size", "dim", "numel", "stride", "is_contiguous",
+               "__len__", "element_size", "data_ptr", "storage_offset", "nelement",
+               "ndimension", "get_device", "is_floating_point", "is_complex",
+               "__repr__", "__str__", "__format__", "untyped_storage"}
+_INPLACE_DUNDER = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+                   "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
+                   "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+
+
+def _destinations(func, name: str, args, kwargs) -> list:
+    dsts = []
+    if name in _INPLACE_DUNDER or (name.endswith("_") and not name.startswith("__")):
+        if args and isinstance(args[0], torch.Tensor):
+            dsts.append(args[0])
+    out = kwargs.get("out")
+    dsts.extend(t for t in _leaves(out) if isinstance(t, torch.Tensor))
+    return dsts
+
+
+class _VmaFunctionMode(TorchFunctionMode):
+    """Inserts the implicit pvary and guards the region's boundary (NOTE [Two
+    trackers])."""
+
+    def __init__(self, ctx: ManualContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _raw() or func in _PASSTHROUGH:
+            return func(*args, **kwargs)
+        ctx = self.ctx
+        flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        local = [ctx.local_value(x) if isinstance(x, torch.Tensor) else x for x in flat]
+        if any(a is not b for a, b in zip(local, flat)):
+            flat = local
+            args, kwargs = optree.tree_unflatten(spec, flat)
+        what = _CONCRETIZE.get(func)
+        if what is not None:
+            ctx.check_concrete(what, args[0])
+        name = getattr(func, "__name__", "")
+        if name in _NO_COMBINE or _is_sharded_op(func):
+            return func(*args, **kwargs)
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        if len(tensors) < 2:
+            return func(*args, **kwargs)
+        sets = [vma_of(t) for t in tensors]
+        union = frozenset().union(*sets)
+        if any(s != union for s in sets):
+            dsts = _destinations(func, name, args, kwargs)
+            for d in dsts:
+                _pvary_in_place(d, union)
+            flat = [varying_to(x, union) if isinstance(x, torch.Tensor) and differentiable(x)
+                    and not any(x is d for d in dsts) else x for x in flat]
+            args, kwargs = optree.tree_unflatten(spec, flat)
+        return func(*args, **kwargs)
+
+
+def _pvary_in_place(dst, union: frozenset) -> None:
+    """Before an in-place op makes ``dst`` vary over more axes, route the gradient of
+    its old value through a pvary (whose transpose is the psum it needs). Only where
+    autograd can see ``dst``; elsewhere the dispatch tracker's new tag is enough."""
+    if not differentiable(dst) or not (dst.requires_grad or _torch.is_functorch_wrapped(dst)):
+        return
+    missing = union - vma_of(dst)
+    if missing:
+        from sharded.collectives import pvary_
+
+        pvary_(dst, _ordered(active().mesh, missing))
+
+
+def _is_sharded_op(func) -> bool:
+    return isinstance(func, _torch.OpOverload) and func.namespace == "sharded"

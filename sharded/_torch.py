@@ -59,6 +59,58 @@ def is_functorch_wrapped(x: torch.Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(x)
 
 
+def functorch_base(x: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under ``x``'s torch.func (grad/vmap) wrappers, if any (the same
+    Python object that the transform wrapped)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x
+
+
+def clear_functorch_stack():
+    """Context: run code as if no torch.func transform were active (tracing a
+    self-contained subgraph from inside one)."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    return temporarily_clear_interpreter_stack()
+
+
+def is_dtensor(x) -> bool:
+    return isinstance(x, DTensor)
+
+
+def is_fake(x) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+def fake_mode_of(x):
+    """The FakeTensorMode a fake tensor belongs to (None for other tensors)."""
+    return x.fake_mode if is_fake(x) else None
+
+
+def written_args(func, args, kwargs) -> list:
+    """The tensors an op overload writes into (its in-place and out= arguments)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(t for t in v if isinstance(t, torch.Tensor))
+    return out
+
+
+def dispatch_mode_base():
+    """torch's base class for dispatch-level modes (below autograd and torch.func)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
 def functorch_level() -> int:
     """How many torch.func transforms (grad, vmap, ...) the current code runs under."""
     level = torch._C._functorch.maybe_current_level()

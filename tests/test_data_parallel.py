@@ -92,6 +92,7 @@ def _train(mesh_shape, names, tp, mode_kwargs, steps=4):
         "local_numel": {k: v.to_local().numel() for k, v in p.items()},
         "loss_spec": spec_of(loss),
         "collectives": [(c.kind, c.axis, c.shape) for c in lowered.collectives()],
+        "wire": [(c.kind, c.group_size, c.bytes, c.wire_bytes) for c in lowered.collectives()],
         "layouts": lowered.layouts,
     }
 
@@ -143,6 +144,11 @@ def test_replicate_is_ddp(results):
         # one bucket of gradients (the cap is 25 MiB) plus the loss's reductions
         assert sum(1 for kind, _, shape in dp if shape != ()) == 1, dp
         assert r["loss_spec"] == P()
+        # ring algorithms: an all-reduce of B bytes over n ranks sends 2 (n - 1) / n B
+        assert all(w == int(2 * (n - 1) / n * b) for kind, n, b, w in r["wire"] if kind == "all_reduce")
+    for kind, n, b, w in res[("1d", "shard")]["wire"]:
+        if kind in ("all_gather", "reduce_scatter"):
+            assert n == ws and w == int((n - 1) / n * b)
 
 
 def test_shard_is_fsdp(results):

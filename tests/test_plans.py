@@ -64,16 +64,6 @@ def _megatron_specs(n_layers: int) -> dict:
 _SGD = functools.partial(optim.sgd, lr=0.1, momentum=0.9)
 
 
-def _wire_bytes(call, mesh) -> float:
-    """Bytes one rank sends for ``call`` with ring algorithms (an all-reduce is a
-    reduce-scatter plus an all-gather). ``call.bytes`` is the larger of its input and
-    output: the full tensor for each of the three kinds."""
-    n = mesh.size(call.axis)
-    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-              "all_gather": (n - 1) / n}
-    return factor.get(call.kind, 1.0) * call.bytes
-
-
 def _train_with_plans(shape):
     """3 SGD-with-momentum steps of the GPT through functional_call under pjit,
     Megatron and sequence-parallel plans (torch's styles), against the single-device
@@ -101,7 +91,7 @@ def _train_with_plans(shape):
             torch.testing.assert_close(gather(d_params), r_params, rtol=1e-4, atol=1e-5)
         assert step.trace_count == 1
         lowered = step.lower(d_params, d_opt, ids, targets)
-        calls = [(c.axis, c.kind, c.shape, _wire_bytes(c, mesh)) for c in lowered.collectives()]
+        calls = [(c.axis, c.kind, c.shape, c.wire_bytes) for c in lowered.collectives()]
         out[name] = calls
         out[name + "_cost"] = lowered.cost()
         if shape == (1, 2) and name == "sp":

@@ -169,3 +169,15 @@ def test_compiled_local_graph_draws_the_same_bits():
         outs.append(pjit(lambda x: (F.dropout(x, 0.5), torch.rand(64)), in_specs=P(), mesh=mesh, mode=mode)(x))
     for a, b in zip(*outs):
         assert torch.equal(a.full_tensor(), b.full_tensor())
+
+
+def test_values_follow_the_documented_formula():
+    """Draw d of a program at state (seed, offset) is Philox(seed, offset + d, i), as
+    docs/random.md says (the seed and offset inputs were once fed swapped)."""
+    mesh = Mesh((1,), ("dp",))
+    f = pjit(lambda x: (torch.rand(6) + x, torch.rand(6) + x), in_specs=P(), mesh=mesh)
+    srandom.set_rng_state({"seed": 11, "offset": 5})
+    a, b = (t.full_tensor() for t in f(torch.zeros(())))
+    idx = torch.arange(6)
+    assert torch.equal(a, srandom.uniform(11, 5, idx, torch.float32))
+    assert torch.equal(b, srandom.uniform(11, 6, idx, torch.float32))

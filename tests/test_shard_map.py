@@ -77,9 +77,10 @@ def _ring(ws):
                        in_specs=P("dp"), out_specs=P("dp"))
     # block i moves to position i + 1: a roll of the blocks
     lowered = _check_fwd_and_grad(mesh, region, lambda x: torch.roll(x * x, 2, 0), (x,), (P("dp"),))
-    # the forward ppermute (merged with the vjp's recomputed one) and its transpose
-    kinds = [c.kind for c in lowered.collectives()]
-    assert kinds.count("all_to_all") == 2, kinds
+    # the forward ppermute (merged with the vjp's recomputed one) and its transpose:
+    # point-to-point, one block each
+    calls = [c for c in lowered.collectives() if c.kind == "ppermute"]
+    assert len(calls) == 2 and all(c.shape == (2, 3) for c in calls), calls
 
 
 def _all_to_all_swaps_the_sharded_dim(ws):
@@ -225,13 +226,30 @@ def _regressions():
     ref = torch.func.grad(lambda p: F.cross_entropy(mlp(p, xs), y))(p)
     torch.testing.assert_close(gather(grads), ref, rtol=1e-5, atol=1e-6)
 
-    # Second-order gradients are a clear error, not zeros.
+    # Second-order gradients: the vjp of a region is a region, differentiable again.
     cube = shard_map(lambda x: C.psum((x ** 3).sum(), "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    hess = pjit(torch.func.grad(lambda x: torch.func.grad(cube)(x).sum()), in_specs=P("dp"), mesh=mesh)
+    torch.testing.assert_close(gather(hess(x)), 6 * x)
+
+    # Forward mode is a clear error.
     try:
-        pjit(torch.func.grad(lambda x: torch.func.grad(cube)(x).sum()), in_specs=P("dp"), mesh=mesh)(x)
+        pjit(lambda x: torch.func.jvp(cube, (x,), (x,))[1], in_specs=P("dp"), mesh=mesh)(x)
         raise AssertionError("no error")
     except NotImplementedError as e:
-        assert "only first-order gradients go through a shard_map" in str(e), e
+        assert "forward-mode differentiation (torch.func.jvp, jacfwd) through a shard_map is not supported" in str(e), e
+
+    # A closed-over traced value used only under a transform inside the body, with a
+    # transform around the region: an error, not a gradient path silently cut.
+    def outer(p, x):
+        inner = shard_map(lambda x: torch.func.grad(lambda q: (q * x).sum())(p), mesh=mesh,
+                          in_specs=P("dp"), out_specs=P("dp"))
+        return inner(x).sum()
+
+    try:
+        pjit(torch.func.grad(outer), in_specs=(P(), P("dp")), mesh=mesh)(torch.ones(2), x)
+        raise AssertionError("no error")
+    except NotImplementedError as e:
+        assert "uses it only inside a torch.func transform of the body" in str(e), e
 
     # A torch.func transform around an eager call is a clear error.
     f = shard_map(lambda x: C.psum(x.sum(), "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
@@ -240,6 +258,164 @@ def _regressions():
         return "no error"
     except TypeError as e:
         return str(e)
+
+
+def _every_collective(kind):
+    """Every collective on a sharded and on a replicated input, with each kind of
+    out_spec (invariant, varying, and naming an axis the output does not vary over):
+    values and gradients against the single-device program (torch.func). ``kind``
+    "1d": one axis "x"; "tuple": the tuple ("x", "y") of a 2x2 mesh."""
+    mesh = Mesh((2, 2), ("x", "y")) if kind == "tuple" else Mesh((torch.distributed.get_world_size(),), ("x",))
+    a = ("x", "y") if kind == "tuple" else "x"
+    n = mesh.size()
+    ring, partial = [(i, (i + 1) % n) for i in range(n)], [(0, n - 1)]
+
+    def body(x):
+        i = C.axis_index(a).to(x.dtype)
+        return {
+            "psum": C.psum(torch.sin(x), a), "psum_fanout": C.psum(torch.sin(x), a),
+            "pmean": C.pmean(x, a), "pmax": C.pmax(x, a), "pmin": C.pmin(x, a),
+            "gather": C.all_gather(x, a, tiled=True), "stack_fanout": C.all_gather(x, a, dim=1),
+            "scatter": C.psum_scatter(x, a, dim=1, tiled=True),
+            "ring": C.ppermute(x, a, ring), "partial": C.ppermute(x, a, partial),
+            "a2a": C.all_to_all(x, a, split_dim=1, concat_dim=0), "index": x * (i + 1),
+            "pvary": C.pvary(x, a),
+        }
+
+    inv, var, cols = P(), P(a), P(None, a)
+    out_specs = {"psum": inv, "psum_fanout": var, "pmean": inv, "pmax": inv, "pmin": inv,
+                 "gather": inv, "stack_fanout": var, "scatter": cols, "ring": var,
+                 "partial": var, "a2a": cols, "index": var, "pvary": var}
+
+    def tile(t):
+        return t.repeat(n, *([1] * (t.ndim - 1)))
+
+    def sharded_ref(X):                          # X: [2n, 4], block r = rows 2r, 2r+1
+        B = X.reshape(n, 2, 4)
+        shifted = torch.roll(X, 2, 0)
+        only = torch.cat([torch.zeros(2 * (n - 1), 4), X[:2]])
+        scale = torch.arange(1, n + 1, dtype=X.dtype).repeat_interleave(2)[:, None]
+        return {"psum": torch.sin(B).sum(0), "psum_fanout": tile(torch.sin(B).sum(0)),
+                "pmean": B.mean(0), "pmax": B.amax(0), "pmin": B.amin(0), "gather": X,
+                "stack_fanout": tile(B.transpose(0, 1)), "scatter": B.sum(0), "ring": shifted,
+                "partial": only, "a2a": X, "index": X * scale, "pvary": X}
+
+    def replicated_ref(x):                       # x: [2, 4], the same on every rank
+        scale = torch.arange(1, n + 1, dtype=x.dtype).repeat_interleave(2)[:, None]
+        return {"psum": n * torch.sin(x), "psum_fanout": tile(n * torch.sin(x)), "pmean": x,
+                "pmax": x, "pmin": x, "gather": tile(x),
+                "stack_fanout": tile(x[:, None].expand(2, n, 4)), "scatter": n * x,
+                "ring": tile(x), "partial": torch.cat([torch.zeros(2 * (n - 1), 4), x]),
+                "a2a": tile(x), "index": tile(x) * scale, "pvary": tile(x)}
+
+    weights = {k: torch.randn(8 * n * n, generator=torch.Generator().manual_seed(i))
+               for i, k in enumerate(out_specs)}
+
+    def loss_of(f):
+        def loss(x):
+            out = f(x)
+            return sum((out[k] * weights[k][:out[k].numel()].reshape(out[k].shape)).sum() for k in out)
+
+        return loss
+
+    for spec, x, ref in ((var, torch.randn(2 * n, 4, generator=torch.Generator().manual_seed(7)), sharded_ref),
+                         (inv, torch.randn(2, 4, generator=torch.Generator().manual_seed(8)), replicated_ref)):
+        region = shard_map(body, mesh=mesh, in_specs=spec, out_specs=out_specs)
+        got = gather(region(x))                   # eager, op by op
+        want = ref(x)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=f"{k} ({spec!r})")
+        grads = pjit(torch.func.grad(loss_of(region)), in_specs=spec, mesh=mesh)(x)
+        torch.testing.assert_close(gather(grads), torch.func.grad(loss_of(ref))(x), rtol=1e-5, atol=1e-5)
+
+
+def _issue_regressions(ws):
+    """The findings of issue 9, each as it was reproduced, on ``ws`` ranks."""
+    mesh = Mesh((ws,), ("dp",))
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(3, generator=g), torch.randn(2 * ws, 3, generator=g)
+
+    # 2. grad inside the body: JAX's canonical data-parallel step (traced and eager)
+    def local_loss(w, x):
+        return C.pmean(((x @ w) ** 2).mean(), "dp")
+
+    step = shard_map(lambda w, x: torch.func.grad(local_loss)(w, x), mesh=mesh,
+                     in_specs=(P(), P("dp")), out_specs=P())
+    ref = torch.func.grad(lambda w: ((x @ w) ** 2).mean())(w)
+    torch.testing.assert_close(gather(pjit(step, in_specs=(P(), P("dp")), mesh=mesh)(w, x)), ref)
+    torch.testing.assert_close(gather(step(w, x)), ref)
+
+    # ... and differentiated again from outside (a grad inside the body, one outside)
+    cubic = shard_map(lambda w, x: torch.func.grad(lambda w, x: C.pmean(((x @ w) ** 3).mean(), "dp"))(w, x),
+                      mesh=mesh, in_specs=(P(), P("dp")), out_specs=P())
+    outer = pjit(torch.func.grad(lambda w, x: cubic(w, x).pow(2).sum()), in_specs=(P(), P("dp")), mesh=mesh)
+    ref = torch.func.grad(lambda w: torch.func.grad(lambda w: ((x @ w) ** 3).mean())(w).pow(2).sum())(w)
+    torch.testing.assert_close(gather(outer(w, x)), ref, rtol=1e-5, atol=1e-4)
+
+    # 3. closures are invariant: accepted with out P(); the gradient is not ws times too large
+    c = torch.tensor([2.0, 3.0, 4.0])
+    for check in (True, False):
+        f = shard_map(lambda w: w * c, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=check)
+        grad = pjit(torch.func.grad(lambda w: f(w).sum()), in_specs=P(), mesh=mesh)(w)
+        torch.testing.assert_close(gather(grad), c)
+
+    # check_vma=False: an output typed varying that is in fact the same on every rank
+    # (the user vouches) has the gradient of one value, not of ws copies
+    f = shard_map(lambda w, x: w * (1 + (x - x).sum()), mesh=mesh, in_specs=(P(), P("dp")),
+                  out_specs=P(), check_vma=False)
+    grad = pjit(torch.func.grad(lambda w, x: f(w, x).sum()), in_specs=(P(), P("dp")), mesh=mesh)(w, x)
+    torch.testing.assert_close(gather(grad), torch.ones(3))
+
+    # pmax/pmin split the gradient among tied ranks, as torch.amax splits it
+    tied = torch.tensor([1.0, 5.0, 2.0]).repeat(ws)
+    mx = shard_map(lambda t: C.pmax(t, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    grad = pjit(torch.func.grad(lambda t: (mx(t) * torch.arange(3.0)).sum()), in_specs=P("dp"), mesh=mesh)(tied)
+    torch.testing.assert_close(gather(grad), torch.func.grad(
+        lambda t: (t.reshape(ws, 3).amax(0) * torch.arange(3.0)).sum())(tied))
+
+    # 3. in-place ops update the destination's varying axes ...
+    def acc_body(x):
+        acc = torch.zeros(3)
+        acc.add_(x.sum(0))
+        return acc
+
+    try:
+        shard_map(acc_body, mesh=mesh, in_specs=P("dp"), out_specs=P())(x)
+        raise AssertionError("no error")
+    except ValueError as e:
+        assert "does not name mesh axis 'dp'" in str(e), e
+    # ... and route the old value's gradient through a pvary (a psum in the backward),
+    # under a grad inside the body and under one outside it
+    def inner(w, x):
+        def loss(w):
+            acc = w * 1.0
+            acc.add_(x.sum(0))
+            return C.psum(acc.sum(), "dp")
+
+        return torch.func.grad(loss)(w)
+
+    f = shard_map(inner, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P())
+    torch.testing.assert_close(gather(f(w, x)), torch.full((3,), float(ws)))
+    torch.testing.assert_close(gather(pjit(f, in_specs=(P(), P("dp")), mesh=mesh)(w, x)), torch.full((3,), float(ws)))
+
+    def outer(w, x):
+        acc = w * 1.0
+        acc.add_(x.sum(0))
+        return C.psum(acc, "dp")
+
+    f = shard_map(outer, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P())
+    grad = pjit(torch.func.grad(lambda w, x: f(w, x).sum()), in_specs=(P(), P("dp")), mesh=mesh)(w, x)
+    torch.testing.assert_close(gather(grad), torch.full((3,), float(ws)))
+
+    # 4. ppermute is point-to-point: inf and NaN arrive unchanged, one block per rank
+    y = torch.tensor([[float("inf"), 1.0], [float("nan"), float("-inf")]]).repeat(ws, 1)
+    shift = shard_map(lambda y: C.ppermute(y, "dp", [(i, (i + 1) % ws) for i in range(ws)]),
+                      mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    torch.testing.assert_close(gather(shift(y)), torch.roll(y, 2, 0), equal_nan=True)
+    cost = shift.lower(y).cost()
+    assert cost["ppermute"]["count"] == 1 and cost["ppermute"]["bytes"] == 2 * 2 * 4, cost
+    assert cost["total"]["count"] == 1, cost
+    return True
 
 
 # -- tests ---------------------------------------------------------------------------------
@@ -302,4 +478,32 @@ def test_errors(on_ranks):
 
 def test_regressions(on_ranks):
     msg = on_ranks(2, _regressions)[0]
-    assert "was called inside a torch.func transform (grad, vmap, ...); a pjit/shard_map call is not differentiable from outside" in msg, msg
+    assert "was called inside a torch.func transform (grad, vmap, ...); an eager shard_map call is not differentiable from outside" in msg, msg
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_every_collective_value_and_gradient(on_ranks, ws):
+    on_ranks(ws, _every_collective, "1d")
+
+
+def test_every_collective_over_an_axis_tuple(on_ranks):
+    on_ranks(4, _every_collective, "tuple")
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_issue_9_findings(on_ranks, ws):
+    on_ranks(ws, _issue_regressions, ws)
+
+
+def test_axes_from_sets_follow_mesh_order():
+    """Axes the tracker gathers in Python sets reach the program in mesh order: a
+    set's iteration order differs between processes (string hashing), so ranks once
+    built multi-axis pvarys (and their psum transposes) in different orders."""
+    names = next((a, b) for a, b in (("x", "y"), ("dp", "tp"), ("a", "b"), ("p", "q"), ("u", "v"),
+                                     ("k", "l"), ("m", "n"), ("s", "t"))
+                 if tuple(frozenset((a, b))) == (b, a))      # this process iterates them backwards
+    mesh = Mesh((1, 1), names)
+    f = shard_map(lambda x, w: x * w, mesh=mesh, in_specs=(P(names), P()), out_specs=P(names))
+    lowered = f.lower(torch.ones(4), torch.ones(4))
+    code = "\n".join(r.graph_module.code for r in lowered.global_graph.children())
+    assert f"pvary.default(arg1_1, '{names[0]},{names[1]}')" in code, code

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from sharded import _torch
+from sharded import _region, _torch
 from sharded._trace_state import global_trace as _global_trace, in_global_trace  # noqa: F401
 
 
@@ -33,11 +33,13 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str) -> 
     with fake_mode:
         fakes = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device) for m in metas]
     try:
-        with _global_trace(), _torch.user_stack_traces():
-            # stack traces: errors in later steps name the user's source line
-            gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True)(*fakes)
-        if _has_mutations(gm):
-            gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*fakes)
+        with _region.region_scope() as regions:   # shard_map bodies, owned by the graph
+            with _global_trace(), _torch.user_stack_traces():
+                # stack traces: errors in later steps name the user's source line
+                gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True)(*fakes)
+            if _has_mutations(gm):
+                gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*fakes)
+        regions.attach(gm)
         return gm
     except (_torch.DataDependentOutputException, _torch.DynamicOutputShapeException) as e:
         raise TracingError(

@@ -3,13 +3,17 @@
 ``fn`` sees this rank's shards (laid out by ``in_specs``) and communicates through
 ``sharded.collectives``. Its outputs are this rank's blocks of the results, laid out by
 ``out_specs``; with ``check_vma`` an output that still varies over an axis its spec
-does not name is rejected at trace time.
+does not name is rejected.
 
-Eagerly, a shard_map call is compiled like a pjit call (traced once per signature,
-cached). Inside a pjit-traced function it becomes one op of the global program that
-the partitioner runs on this rank's shards (NOTE [shard_map in a traced program] in
-sharded/_manual.py), so it composes with torch.func.grad and with automatically
-partitioned code around it.
+Two ways to run, as in JAX:
+
+- **Inside a function that pjit traces**, the body is traced once into a region of
+  the global program (NOTE [shard_map in a traced program] in sharded/_region.py), so
+  it composes with torch.func (grad of any order, vmap inside the body) and with
+  automatically partitioned code around it.
+- **Eagerly** (outside pjit), the body runs op by op on this rank's shards with real
+  collectives, so Python control flow on a collective's result is allowed, as long as
+  that value is the same on every rank. ``.lower(*args)`` traces it as pjit would.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import math
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from sharded import _manual, _torch, _tree
+from sharded import _manual, _region, _torch, _tree
 from sharded.mesh import Mesh, current_mesh
-from sharded.spec import P, axes_of_dim, check_spec, local_shape, to_placements
+from sharded.modes._expand import contiguous_strides
+from sharded.random.rewrite import RNG_STATE_OP
+from sharded.spec import P, axes_of_dim, check_spec, local_shape, local_slice, to_placements
 from transforms._trace import in_global_trace
 from transforms.pjit import Pjit
 
@@ -33,7 +40,12 @@ def shard_map(fn: Callable | None = None, /, *, mesh: Mesh | None = None, in_spe
 
     - ``in_specs``: a pytree prefix of the positional args (P or None leaves).
     - ``out_specs``: a pytree prefix of the outputs. An axis an out_spec does not
-      name means the output is the same on every rank along it.
+      name means the output is the same on every rank along it; an axis it names
+      that the output does not vary over tiles copies of it (the transpose sums
+      their cotangents).
+    - ``check_vma``: reject outputs that may vary over an axis their spec does not
+      name. With False the user vouches that they do not (their gradient is that of
+      a value the same on every rank).
     """
     if fn is None:
         return functools.partial(shard_map, mesh=mesh, in_specs=in_specs,
@@ -49,7 +61,7 @@ class ShardMap:
         self.out_specs = out_specs
         self.check_vma = check_vma
         self.name = f"shard_map({getattr(fn, '__name__', type(fn).__name__)})"
-        self._compiled: dict[int, Pjit] = {}
+        self._lowered: dict[int, Pjit] = {}
         # Name and docs only: a __wrapped__ attribute would let torch.func (and
         # inspect) call the raw function, bypassing this wrapper.
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
@@ -61,114 +73,122 @@ class ShardMap:
             raise NotImplementedError(f"{self.name}: shard_map inside a shard_map body is not supported.")
         if in_global_trace():
             return self._emit(mesh, args)
-        return self._jitted(mesh)(*args)
+        return self._eager(mesh, args)
 
     def lower(self, *args):
         """The traced and partitioned program, as ``pjit(...).lower``."""
-        return self._jitted(current_mesh(self.mesh, self.name)).lower(*args)
-
-    def _jitted(self, mesh) -> Pjit:
-        """Eager calls run as a pjit of the region (traced once per signature)."""
-        if id(mesh) not in self._compiled:
-            def region(*args):
-                return self._emit(mesh, args)
+        mesh = current_mesh(self.mesh, self.name)
+        if id(mesh) not in self._lowered:
+            def region(*a):
+                return self._emit(mesh, a)
 
             jitted = Pjit(region, self.in_specs, self.out_specs, mesh, None, ())
             jitted.name = self.name
-            self._compiled[id(mesh)] = jitted
-        return self._compiled[id(mesh)]
+            self._lowered[id(mesh)] = jitted
+        return self._lowered[id(mesh)].lower(*args)
 
-    # -- inside a global trace: one op for the whole region -----------------------------
-    def _emit(self, mesh: Mesh, args: tuple):
+    # -- the arguments ------------------------------------------------------------------
+    def _inputs(self, mesh, args):
+        """Flat leaves, tree, and per tensor leaf: (tensor, spec)."""
         leaves, treedef = _tree.flatten(args)
         specs = _tree.arg_specs(self.in_specs, args, self.name)
         paths = _tree.leaf_paths(args, "args")
-        tensors, in_pl, in_vma, local_metas = [], [], [], []
+        tensors = []
         for x, (spath, spec), apath in zip(leaves, specs, paths):
             if not isinstance(x, torch.Tensor):
                 continue
             spec = P() if spec is None else spec
             check_spec(spec, x.shape, mesh, f"{spath} (for {apath})")
-            tensors.append(x)
-            in_pl.append(to_placements(spec, mesh))
-            in_vma.append(frozenset(spec.axes()))
-            local_metas.append((local_shape(x.shape, spec, mesh), x.dtype, x.device))
+            tensors.append((x, spec))
+        return leaves, treedef, tensors
 
+    def _flat_body(self, leaves, treedef, out_info):
         def flat_body(*local_tensors):
             it = iter(local_tensors)
             full = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
             out = self.fn(*_tree.unflatten(treedef, full))
             out_leaves, out_treedef = _tree.flatten(out)
-            for i, o in enumerate(out_leaves):
-                if not isinstance(o, torch.Tensor):
-                    raise TypeError(
-                        f"{self.name}: output leaf {i} is {type(o).__name__}; shard_map "
-                        f"outputs must be tensors."
-                    )
-            flat_body.out_treedef = out_treedef
+            out_info["treedef"] = out_treedef
             return out_leaves
 
-        body = _manual.ManualBody(
-            fn=flat_body, mesh=mesh, name=self.name, check_vma=self.check_vma,
-            in_placements=in_pl, in_vma=in_vma, out_placements=[], out_allowed=[],
-            out_paths=[], out_shapes=[], out_dtypes=[],
-        )
-        self._infer_outputs(body, local_metas)
-        body_id = _manual.register_body(body)
-        outs = _ShardMapFn.apply(body_id, *tensors)
-        return _tree.unflatten(flat_body.out_treedef, list(outs))  # type: ignore[attr-defined]
+        return flat_body
 
-    def _infer_outputs(self, body, local_metas):
-        """Run the body once on fake local shards (outside the trace) for its output
-        shapes, layouts and varying axes; errors surface here, at trace time."""
-
-        sizes = dict(zip(body.mesh.axis_names, body.mesh.shape))
+    def _describe(self, mesh, out_info):
+        """The layouts of the outputs from their local blocks and the out_specs."""
+        sizes = dict(zip(mesh.axis_names, mesh.shape))
 
         def describe(outs):
-            out_tree = _tree.unflatten(body.fn.out_treedef, outs)
+            out_tree = _tree.unflatten(out_info["treedef"], outs)
             matched = _tree.broadcast_prefix(self.out_specs, out_tree, f"{self.name} out_specs")
+            layouts = []
             for o, (spath, spec), opath in zip(outs, matched, _tree.leaf_paths(out_tree, "output")):
                 spec = P() if spec is None else spec
                 full = tuple(s * math.prod(sizes.get(a, 1) for a in axes_of_dim(spec, d))
                              for d, s in enumerate(o.shape))
-                check_spec(spec, full, body.mesh, f"{spath} (for {opath})")
-                body.out_placements.append(to_placements(spec, body.mesh))
-                body.out_allowed.append(frozenset(spec.axes()))
-                body.out_paths.append(f"{spath} (for {opath})")
-                body.out_shapes.append(full)
-                body.out_dtypes.append(o.dtype)
+                check_spec(spec, full, mesh, f"{spath} (for {opath})")
+                layouts.append((to_placements(spec, mesh), frozenset(spec.axes()), full,
+                                f"{spath} (for {opath})"))
+            return layouts
 
-        with _torch.suspend_dispatch_modes(), _torch.new_fake_mode():
-            fakes = [torch.empty(s, dtype=d, device=dev) for s, d, dev in local_metas]
-            _manual.run_body(body, fakes, describe=describe)
+        return describe
 
+    # -- inside a global trace: one region of the program -----------------------------------
+    def _emit(self, mesh: Mesh, args: tuple):
+        leaves, treedef, tensors = self._inputs(mesh, args)
+        out_info: dict = {}
+        boundary = _region.Boundary(
+            in_placements=[to_placements(s, mesh) for _, s in tensors],
+            in_axes=[frozenset(s.axes()) for _, s in tensors],
+            describe=self._describe(mesh, out_info),
+        )
+        metas = [(local_shape(x.shape, s, mesh), x.dtype) for x, s in tensors]
+        region = _region.trace_region(self._flat_body(leaves, treedef, out_info), metas,
+                                      boundary, mesh, self.name, self.check_vma)
+        inputs = [x for x, _ in tensors] + list(region.captured)
+        if region.n_draws:
+            inputs.append(RNG_STATE_OP(region.n_draws, region.device))
+        outs = _region.call(region, inputs)
+        return _tree.unflatten(out_info["treedef"], outs)
 
-class _ShardMapFn(torch.autograd.Function):
-    """The region as one differentiable op of the global program."""
+    # -- eagerly: op by op on this rank's shards ------------------------------------------
+    def _eager(self, mesh: Mesh, args: tuple):
+        leaves, treedef, tensors = self._inputs(mesh, args)
+        dm = mesh.device_mesh
+        local = []
+        for x, spec in tensors:
+            if _torch.is_functorch_wrapped(x):
+                raise TypeError(
+                    f"{self.name} was called inside a torch.func transform (grad, vmap, "
+                    f"...); an eager shard_map call is not differentiable from outside. Put "
+                    f"the transform inside a function that pjit traces: "
+                    f"pjit(torch.func.grad(loss), ...)."
+                )
+            placements = to_placements(spec, mesh)
+            if isinstance(x, DTensor):
+                if x.device_mesh != dm:
+                    raise ValueError(
+                        f"{self.name}: a DTensor input lives on {x.device_mesh}, not on the "
+                        f"shard_map mesh {mesh}; gather it and shard it onto this mesh."
+                    )
+                if tuple(x.placements) != tuple(placements):
+                    x = x.redistribute(dm, placements)
+                local.append(_torch.local_tensor(x).detach())
+            else:
+                local.append(local_slice(x.detach(), placements, mesh).detach())
+        out_info: dict = {}
+        describe = self._describe(mesh, out_info)
+        ctx = _manual.ManualContext(mesh, self.check_vma, self.name, eager=True)
+        with _manual.manual_region(ctx):
+            for t, (_, spec) in zip(local, tensors):
+                _manual.set_vma(t, spec.axes())
+            outs = [_region._as_tensor(o, self.name, i)
+                    for i, o in enumerate(self._flat_body(leaves, treedef, out_info)(*local))]
+            layouts = describe(outs)
+            _region.finish_outputs(outs, layouts, mesh, self.check_vma, cast=False)
+        result = [
+            DTensor.from_local(o.detach().contiguous(), dm, placements, run_check=False,
+                               shape=torch.Size(shape), stride=contiguous_strides(shape))
+            for o, (placements, _, shape, _) in zip(outs, layouts)
+        ]
+        return _tree.unflatten(out_info["treedef"], result)
 
-    @staticmethod
-    def forward(body_id, *inputs):
-        return tuple(_manual.SHARD_MAP_OP(list(inputs), body_id))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.body_id = inputs[0]
-        ctx.save_for_backward(*inputs[1:])
-
-    @staticmethod
-    def backward(ctx, *cts):
-        if _torch.functorch_level() > 1:
-            raise NotImplementedError(
-                f"{_manual.get_body(ctx.body_id).name}: only first-order gradients go "
-                f"through a shard_map (torch.func.grad of grad, or vmap around grad, is "
-                f"not supported)."
-            )
-        inputs = ctx.saved_tensors
-        body = _manual.get_body(ctx.body_id)
-        if not inputs:
-            return (None,)
-        cts = [torch.zeros(s, dtype=d, device=inputs[0].device) if ct is None else ct
-               for ct, s, d in zip(cts, body.out_shapes, body.out_dtypes)]
-        with torch.no_grad():  # first-order only: the vjp op has no autograd of its own
-            grads = _manual.SHARD_MAP_VJP_OP(list(inputs), cts, ctx.body_id)
-        return (None, *[g if _manual.differentiable(x) else None for g, x in zip(grads, inputs)])

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from sharded import _manual, _torch, rules  # noqa: F401  (rules registers the project's shardings)
+from sharded import _region, _torch, rules  # noqa: F401  (rules registers the project's shardings)
 from sharded.api import CONSTRAINT_OP, constraint_spec
 from sharded.modes.base import Partitioned, ShardingRuleError
 from sharded.random.rewrite import RNG_OP, sample
@@ -230,21 +230,19 @@ def _random_layout(ex: Expander, n, shape, like, p) -> tuple:
     return (Replicate(),) * ex.mesh.ndim
 
 
-@special_op(_manual.SHARD_MAP_OP)
+@special_op(_region.REGION_OP)
 def _shard_map(ex: Expander, node, args, kwargs):
-    inputs, body_id = args
-    body = _manual.get_body(body_id)
-    outs = _manual.run_body(body, ex.locals_of(inputs, body.in_placements))
-    return ex.globals_of(outs, body.out_placements, body.out_shapes)
-
-
-@special_op(_manual.SHARD_MAP_VJP_OP)
-def _shard_map_vjp(ex: Expander, node, args, kwargs):
-    inputs, cts, body_id = args
-    body = _manual.get_body(body_id)
-    grads = _manual.run_body_vjp(body, ex.locals_of(inputs, body.in_placements),
-                                 ex.locals_of(cts, body.out_placements))
-    return ex.globals_of(grads, body.in_placements, [x.shape for x in inputs])
+    """A shard_map region (NOTE [shard_map in a traced program] in sharded/_region.py):
+    its inputs laid out as its in_specs, its graph run on this rank's blocks with the
+    collectives lowered, its outputs tiled by its out_specs. A region's backward is a
+    region too, so this one handler serves both."""
+    inputs, key = args
+    region = _region.lookup(key, ex.module)
+    if all(not u.users for u in node.users):     # nothing reads its outputs
+        outs = region.dead_outputs()
+    else:
+        outs = region.run_local(ex.locals_of(inputs, region.in_placements))
+    return ex.globals_of(outs, region.out_placements, region.out_shapes)
 
 
 # -- placement helpers ------------------------------------------------------------------------

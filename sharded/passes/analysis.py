@@ -22,6 +22,8 @@ class CollectiveCall:
     reduce_op: str | None  # "sum", "avg", ... for reductions
     bytes: int             # the larger of its input and output on this rank
     node: str = ""
+    group_size: int = 1    # ranks taking part
+    wire_bytes: int = 0    # bytes this rank sends with ring algorithms (see cost())
 
     def __str__(self):
         red = f" {self.reduce_op}" if self.reduce_op else ""
@@ -46,6 +48,8 @@ def collectives(gm: fx.GraphModule, mesh=None) -> list[CollectiveCall]:
         group = n.args[-1]
         axis = (mesh.axis_of_group(group) if mesh is not None else None) or group
         reduce_op = n.args[1] if kind in ("all_reduce", "reduce_scatter") else None
+        size = _torch.group_from_name(group).size() if isinstance(group, str) else 1
+        full = max(_nbytes(inp), _nbytes(res))
         out.append(
             CollectiveCall(
                 kind=kind,
@@ -53,25 +57,41 @@ def collectives(gm: fx.GraphModule, mesh=None) -> list[CollectiveCall]:
                 dtype=inp.dtype if inp is not None else None,
                 axis=axis,
                 reduce_op=reduce_op,
-                bytes=max(_nbytes(inp), _nbytes(res)),
+                bytes=full,
                 node=n.name,
+                group_size=size,
+                wire_bytes=int(full * _WIRE.get(kind, lambda k: 1.0)(size)),
             )
         )
     return out
 
 
+# Bytes one rank sends per byte of the full tensor, with ring algorithms over n ranks:
+# an all-gather or a reduce-scatter passes n - 1 blocks of 1/n; an all-reduce is both.
+_WIRE = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+}
+
+
 def cost(gm: fx.GraphModule, mesh=None) -> dict:
-    """Collectives of a local graph by kind: ``{"all_reduce": {"count": 2, "bytes": 512},
-    ..., "total": {"count": .., "bytes": ..}}``. Bytes are per call of the program,
-    on this rank."""
+    """Collectives of a local graph by kind: ``{"all_reduce": {"count": 2, "bytes": 512,
+    "wire_bytes": 256}, ..., "total": {...}}``, per call of the program on this rank.
+    ``bytes`` is the larger of each collective's input and output (the full tensor of
+    an all-gather or reduce-scatter); ``wire_bytes`` what the rank sends with ring
+    algorithms (an all-reduce of B bytes over n ranks sends 2 (n - 1) / n * B)."""
     table: dict[str, dict[str, int]] = {}
-    total = {"count": 0, "bytes": 0}
+    total = {"count": 0, "bytes": 0, "wire_bytes": 0}
     for c in collectives(gm, mesh):
-        row = table.setdefault(c.kind, {"count": 0, "bytes": 0})
+        row = table.setdefault(c.kind, {"count": 0, "bytes": 0, "wire_bytes": 0})
         row["count"] += 1
         row["bytes"] += c.bytes
+        row["wire_bytes"] += c.wire_bytes
         total["count"] += 1
         total["bytes"] += c.bytes
+        total["wire_bytes"] += c.wire_bytes
     table["total"] = total
     return table
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from sharded import _torch
+from sharded import _manual, _torch
 from sharded.random import philox
 
 aten = torch.ops.aten
@@ -40,6 +40,159 @@ def _(seed, offset, draw, shape, kind, a, b, dtype, like=None, p=None):
 
 
 RNG_OP = torch.ops.sharded.rng.default
+
+
+# -- draws inside shard_map bodies (NOTE [Random numbers in a body], sharded/_region.py) --
+
+@torch.library.custom_op("sharded::rng_state", mutates_args=(),
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def _rng_state(n_draws: int, device: torch.device) -> torch.Tensor:
+    raise RuntimeError("sharded::rng_state is rewritten by pjit before the program runs.")
+
+
+@_rng_state.register_fake
+def _(n_draws, device):
+    return torch.empty(2, dtype=torch.int64, device=device)
+
+
+RNG_STATE_OP = torch.ops.sharded.rng_state.default
+
+
+@torch.library.custom_op("sharded::rng_local", mutates_args=())
+def _rng_local(state: torch.Tensor, draw: int, shape: list[int], kind: str, a: float, b: float,
+               dtype: torch.dtype, axes: str, p: torch.Tensor | None = None) -> torch.Tensor:
+    mesh = _manual.current("a random op").mesh
+    with _manual.untracked():
+        return lower_rng_local(mesh, state, draw, shape, kind, a, b, dtype, axes, p)
+
+
+@_rng_local.register_fake
+def _(state, draw, shape, kind, a, b, dtype, axes, p=None):
+    return torch.empty(shape, dtype=dtype, device=state.device)
+
+
+RNG_LOCAL_OP = torch.ops.sharded.rng_local.default
+
+
+def lower_rng_local(mesh, state, draw, shape, kind, a, b, dtype, axes, p=None):
+    """This rank's values of a body's draw: element i has global index c * numel + i,
+    c = this rank's index along the draw's varying axes (mesh order)."""
+    names = [x for x in axes.split(",") if x]
+    coord = mesh.coordinate()
+    v, c = 1, 0
+    for name in names:
+        k = mesh.axis_names.index(name)
+        v, c = v * mesh.shape[k], c * mesh.shape[k] + coord[k]
+    region = ((v, *shape), (1, *shape), (c, *([0] * len(shape))), state.device)
+    return sample(state[0], state[1] + draw, region, kind, a, b, dtype, p).reshape(shape)
+
+
+LOWERINGS = {RNG_LOCAL_OP: lower_rng_local}
+_manual.VMA_RULES[RNG_LOCAL_OP] = lambda args, kwargs: frozenset(x for x in args[7].split(",") if x)
+
+
+def is_random_call(func, args, kwargs) -> bool:
+    """Does a live aten call draw random numbers (see ``is_random``)?"""
+    if not isinstance(func, _torch.OpOverload) or func.namespace == "sharded":
+        return False
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    names = _torch.op_arg_names(func)
+    if "dropout_p" in names:
+        i = names.index("dropout_p")
+        p = args[i] if len(args) > i else kwargs.get("dropout_p", 0.0)
+        return p != 0.0
+    return True
+
+
+def describe_call(func, args, kwargs):
+    """(kind, a, b, shape, dtype, device, p, dst) of a live random call, or None."""
+    t = func
+
+    def arg(i, name, default):
+        return args[i] if len(args) > i else kwargs.get(name, default)
+
+    def like(x, kind, a=0.0, b=1.0, dst=None, p=None):
+        return kind, a, b, tuple(x.shape), kwargs.get("dtype") or x.dtype, x.device, p, dst
+
+    def fresh(kind, shape, a=0.0, b=1.0, dtype=None):
+        device = kwargs.get("device") or torch.device("cpu")
+        return kind, a, b, tuple(shape), dtype or kwargs.get("dtype") or torch.get_default_dtype(), \
+            torch.device(device), None, None
+
+    if t is aten.rand.default:
+        return fresh("uniform", args[0])
+    if t is aten.randn.default:
+        return fresh("normal", args[0])
+    if t is aten.rand_like.default:
+        return like(args[0], "uniform")
+    if t is aten.randn_like.default:
+        return like(args[0], "normal")
+    if t is aten.uniform_.default:
+        return like(args[0], "uniform", float(arg(1, "from", 0.0)), float(arg(2, "to", 1.0)), dst=args[0])
+    if t is aten.normal_.default:
+        return like(args[0], "normal", float(arg(1, "mean", 0.0)), float(arg(2, "std", 1.0)), dst=args[0])
+    if t is aten.bernoulli_.float:
+        return like(args[0], "bernoulli", float(arg(1, "p", 0.5)), 0.0, dst=args[0])
+    if t is aten.bernoulli_.Tensor:
+        return like(args[0], "bernoulli", 0.0, 0.0, dst=args[0], p=args[1].expand(args[0].shape))
+    if t is aten.bernoulli.default:
+        return like(args[0], "bernoulli", 0.0, 0.0, p=args[0])
+    if t is aten.bernoulli.p:
+        return like(args[0], "bernoulli", float(arg(1, "p", 0.5)), 0.0)
+    if t is aten.randint.low:
+        return fresh("randint", args[2], float(args[0]), float(args[1]), kwargs.get("dtype") or torch.int64)
+    if t is aten.randint.default:
+        return fresh("randint", args[1], 0.0, float(args[0]), kwargs.get("dtype") or torch.int64)
+    if t is aten.randint_like.default:
+        return like(args[0], "randint", 0.0, float(args[1]))
+    if t is aten.randint_like.low_dtype:
+        return like(args[0], "randint", float(args[1]), float(args[2]))
+    return None
+
+
+def draw_in_region(ctx, func, args, kwargs):
+    """A random op met in a shard_map body (by the dispatch-level tracker): the same
+    values from the counter-based generator (NOTE [Random numbers in a body])."""
+    from sharded._manual import set_vma, vma_of
+
+    tensors = [x for x in _manual._leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    axes = frozenset().union(*(vma_of(t) for t in tensors))
+    if func is aten.native_dropout.default:
+        x, p = args[0], float(args[1])
+        train = args[2] if len(args) > 2 else kwargs.get("train")
+        if train is False:
+            return x.clone(), torch.ones_like(x, dtype=torch.bool)
+        keep = _draw(ctx, "bernoulli", 1.0 - p, 0.0, tuple(x.shape), x.dtype, x.device, None, axes)
+        out = x * keep * (0.0 if p >= 1.0 else 1.0 / (1.0 - p))
+        mask = keep.to(torch.bool)
+        for r in (out, mask):
+            set_vma(r, axes)
+        return out, mask
+    desc = describe_call(func, args, kwargs)
+    if desc is None:
+        raise NotImplementedError(
+            f"{ctx.api}: random op {func} has no counter-based rewrite yet, so its values "
+            f"would differ between the forward and its recomputation. Supported: rand, "
+            f"randn, randint and their _like forms, bernoulli, dropout, uniform_, normal_."
+        )
+    kind, a, b, shape, dtype, device, p, dst = desc
+    out = _draw(ctx, kind, a, b, shape, dtype, device, p, axes)
+    if dst is not None:
+        dst.copy_(out)
+        set_vma(dst, axes)
+        return dst
+    return out
+
+
+def _draw(ctx, kind, a, b, shape, dtype, device, p, axes):
+    from sharded._manual import _ordered, set_vma
+
+    state, draw = ctx.next_draw(device)
+    out = RNG_LOCAL_OP(state, draw, list(shape), kind, float(a), float(b), dtype,
+                       ",".join(_ordered(ctx.mesh, axes)), p)
+    set_vma(out, axes)
+    return out
 
 
 def sample(seed, offset, where, kind: str, a: float, b: float, dtype, p=None):
@@ -162,11 +315,23 @@ def rewrite_random_ops(gm: fx.GraphModule, api: str) -> int:
         g.inserting_before(next(iter(g.nodes)))
     with anchor:
         seed = g.placeholder("rng_seed")
+    with g.inserting_after(seed):     # (each insertion after one anchor lands before the last)
         offset = g.placeholder("rng_offset")
     device = placeholders[0].meta["val"].device if placeholders else torch.device("cpu")
     for meta_node in (seed, offset):
         meta_node.meta["val"] = torch.empty((), dtype=torch.int64, device=device)
-    for draw, n in enumerate(randoms):
+    draw = 0
+    for n in randoms:
+        if n.target is RNG_STATE_OP:       # a shard_map region's (seed, offset): its draws
+            with g.inserting_before(n):
+                off = g.call_function(aten.add.Scalar, (offset, draw))
+                off.meta["val"] = offset.meta["val"]
+                state = g.call_function(aten.stack.default, ([seed, off],))
+            state.meta = dict(n.meta)
+            n.replace_all_uses_with(state)
+            draw += int(n.args[0])
+            g.erase_node(n)
+            continue
         desc = _describe(n)
         if desc is None and "dropout_p" in _torch.op_arg_names(n.target):
             raise NotImplementedError(
@@ -188,6 +353,7 @@ def rewrite_random_ops(gm: fx.GraphModule, api: str) -> int:
         new.meta = dict(n.meta)
         n.replace_all_uses_with(new)
         g.erase_node(n)
+        draw += 1
     g.lint()
     gm.recompile()
-    return len(randoms)
+    return draw
