@@ -83,8 +83,8 @@ def save(path: str | os.PathLike, tree: Any, *, async_save: bool = False) -> Pen
 
     With ``async_save=True`` the state is copied (the copy is what gets written, so
     training may go on and change nothing in the checkpoint) and written in the
-    background with DCP's ``async_save``; the call returns a :class:`PendingSave` at
-    once. The next ``save`` or ``load`` waits for it, or call :func:`wait` (e.g.
+    background with DCP's ``async_save``; the call returns a ``PendingSave`` at
+    once. The next ``save`` or ``load`` waits for it, or call ``wait()`` (e.g.
     before the program exits). ``path`` must be on a filesystem every rank sees.
     """
     wait()
