@@ -43,6 +43,13 @@ class Mesh:
     ``with mesh:`` makes it the default for ``pjit``/``shard_map`` called inside.
     """
 
+    device_mesh: DeviceMesh
+    axis_names: tuple[str, ...]
+    shape: tuple[int, ...]
+    device_type: str
+    _abstract_rank: int | None
+    _group_axes: dict[str, str]
+
     def __new__(cls, shape: Sequence[int], axis_names: Sequence[str], *, device_type=None):
         shape, axis_names = _check_args(shape, axis_names)
         sync.check_usable(f"Mesh{shape}")
@@ -51,7 +58,7 @@ class Mesh:
         key = (id(dist.group.WORLD), shape, axis_names, device_type)
         with _LOCK:
             if key not in _CACHE:
-                dm = init_device_mesh(device_type, shape, mesh_dim_names=axis_names)
+                dm = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(axis_names))
                 mesh = cls._from_dm(dm)
                 # Creating a mesh is collective anyway: make the agreement's group
                 # now, in the same order on every rank.
@@ -74,10 +81,10 @@ class Mesh:
             for mesh in (*_CACHE.values(), *_ABSTRACT.values()):
                 if mesh.device_mesh is device_mesh:
                     return mesh
-            mesh = _FROM_DM.get(id(device_mesh))
-            if mesh is None or mesh.device_mesh is not device_mesh:
-                mesh = _FROM_DM[id(device_mesh)] = cls._from_dm(device_mesh)
-            return mesh
+            found = _FROM_DM.get(id(device_mesh))
+            if found is None or found.device_mesh is not device_mesh:
+                found = _FROM_DM[id(device_mesh)] = cls._from_dm(device_mesh)
+            return found
 
     @classmethod
     def abstract(cls, shape: Sequence[int], axis_names: Sequence[str], *, rank: int = 0,
@@ -124,7 +131,7 @@ class Mesh:
         self = object.__new__(cls)
         self._abstract_rank = None
         self.device_mesh = dm
-        self.axis_names = tuple(dm.mesh_dim_names)
+        self.axis_names = tuple(dm.mesh_dim_names or ())
         self.shape = tuple(dm.mesh.shape)
         self.device_type = dm.device_type
         self._group_axes = {}
@@ -150,6 +157,7 @@ class Mesh:
 
     @property
     def ndim(self) -> int:
+        """The number of mesh axes."""
         return len(self.shape)
 
     @property
@@ -161,9 +169,10 @@ class Mesh:
 
     def coordinate(self) -> tuple[int, ...]:
         """This rank's coordinate along each axis."""
-        return tuple(self.device_mesh.get_coordinate())
+        return tuple(self.device_mesh.get_coordinate() or ())
 
     def axis_of_group(self, group_name: str) -> str | None:
+        """The mesh axis whose process group is named ``group_name``, or None."""
         return self._group_axes.get(group_name)
 
     def sync_group(self):

@@ -27,6 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sharded import _region, _torch
+from sharded.sync import add_note
 from sharded._trace_state import global_trace as _global_trace, in_global_trace  # noqa: F401
 
 
@@ -205,7 +206,7 @@ def _with_context(e: Exception, api: str, inputs: Sequence[str], fn=None) -> Exc
     at = where(user_frame(frames)) or (_defined_at(fn) if fn is not None else "")
     shapes = ", ".join(inputs) if inputs else "no tensor inputs"
     if raised_in and _is_user_file(raised_in):        # the user's own raise: keep it
-        e.add_note(f"(raised while {api} traced the function with inputs {shapes})")
+        add_note(e, f"(raised while {api} traced the function with inputs {shapes})")
         return e
     msg = (f"{api}: tracing the function failed: {type(e).__name__}: {e}\n"
            f"  at {at or '(no frame of your code on the stack)'}\n"

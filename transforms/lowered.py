@@ -48,6 +48,8 @@ class Lowered:
         return memory(self.local_graph)
 
     def as_text(self, which: str = "local") -> str:
+        """The ``"local"`` (this rank's) or ``"global"`` program as Python code,
+        each collective annotated with its kind, shape and mesh axis."""
         gm = self.local_graph if which == "local" else self.global_graph
         calls = {c.node: c for c in collectives(gm, self.mesh)}
         lines = [f"# {self.name} on {self.mesh!r}, rank {self.mesh.rank}, {which} program"]

@@ -278,7 +278,7 @@ class Pjit:
             _check_static_arg(v, f"args[{i}]", self.name)
         dyn = tuple(a for i, a in enumerate(args) if i not in nums)
         leaves, treedef = _tree.flatten(dyn)
-        leaf_keys = []
+        leaf_keys: list[tuple] = []
         for j, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 if _torch.is_functorch_wrapped(x):
@@ -291,7 +291,7 @@ class Pjit:
                 leaf_keys.append((tuple(x.shape), x.dtype, x.device.type))
             else:
                 if type(x) not in _PLAIN_STATIC:
-                    _check_leaf(x, lambda j=j: _dyn_paths(args, nums)[j], self.name)
+                    _check_leaf(x, functools.partial(_dyn_path, args, nums, j), self.name)
                 leaf_keys.append(("static", type(x), x))   # 1, 1.0 and True are distinct
         key = (treedef, tuple(leaf_keys), tuple((type(v), v) for v in static), nums, mesh,
                _ambient())
@@ -356,7 +356,7 @@ class Pjit:
             if entry is not None:
                 return entry
             mark = _torch.fx_source_mark()
-            keep = ()
+            keep: tuple = ()
             try:
                 entry = self._build(sig, args)
                 keep = (entry.global_graph, entry.local_graph)
@@ -487,7 +487,7 @@ class Pjit:
             self.out_specs, tree, f"{self.name} out_specs",
             is_leaf=lambda x: _tree.is_spec_leaf(x) or x is UNSPECIFIED)
         paths = _tree.leaf_paths(tree, "output")
-        specs = []
+        specs: list = []
         for v, (spath, spec), opath in zip(out_leaves, matched, paths):
             if not isinstance(v, torch.Tensor):
                 continue
@@ -563,6 +563,10 @@ def _dyn_paths(args, nums) -> list[str]:
         if i not in nums:
             paths.extend(_tree.leaf_paths(a, f"args[{i}]"))
     return paths
+
+
+def _dyn_path(args, nums, j) -> str:
+    return _dyn_paths(args, nums)[j]
 
 
 def _holds_tensors(x) -> str | None:
