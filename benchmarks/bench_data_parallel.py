@@ -106,7 +106,7 @@ def _build(mode: str, spec: dict, world: int, rank: int):
     else:
         mesh = Mesh((world,), ("dp",))
         layout = "replicate" if mode == "pjit_ddp" else "shard"
-        mode = DataParallelMode(layout)
+        mode = DataParallelMode(layout, compile=False)   # the graph runner: compared as such
         f = pjit(spec["step"], in_specs=(P(), P(), P("dp"), P("dp")), mesh=mesh, mode=mode)
         init = pjit(optim.adamw_init, in_specs=P(), mesh=mesh, mode=mode)   # born sharded
         st["p"], st["o"] = spec["params"], init(spec["params"])

@@ -6,7 +6,7 @@
 For each size: torch.rand(n) and F.dropout(x, 0.5) eagerly (torch's Philox/MT
 generator, values that depend on the layout under partitioning), against the same
 ops inside pjit on a one-rank mesh, where they are rewritten to the counter-based
-generator: the plain graph path (DTensorExpandMode()) and the compiled path
+generator: the plain graph path (DTensorExpandMode(compile=False)) and the compiled path
 (DTensorExpandMode(compile=True), inductor). Medians of --iters calls; writes
 benchmarks/results/random.json.
 """
@@ -48,7 +48,7 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     mesh = Mesh((1,), ("dp",))
-    modes = {"graph": DTensorExpandMode()}
+    modes = {"graph": DTensorExpandMode(compile=False)}
     if not a.no_compiled:
         modes["compiled"] = DTensorExpandMode(compile=True)
     rows = []

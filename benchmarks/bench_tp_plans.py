@@ -53,6 +53,7 @@ def _rank_main(a: dict) -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from sharded import Mesh, P, gather, optim, shard
+    from sharded.modes import DTensorExpandMode
     from sharded.plans import parallelize
     from transforms import pjit
 
@@ -94,7 +95,8 @@ def _rank_main(a: dict) -> dict:
             ospecs = {"step": P(), "m": specs, "v": specs}
             update = functools.partial(optim.adamw, lr=LR, weight_decay=WD)
             f = pjit(gm.make_train_step(model, update), in_specs=(specs, ospecs, P(), P()),
-                     out_specs=(specs, ospecs, P()), mesh=mesh)
+                     out_specs=(specs, ospecs, P()), mesh=mesh,
+                     mode=DTensorExpandMode(compile=False))   # the graph runner
             st = {"p": shard(params, specs, mesh), "o": shard(optim.adamw_init(params), ospecs, mesh)}
             low = f.lower(st["p"], st["o"], ids, tgt)
             cost = low.cost()

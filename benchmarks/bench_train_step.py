@@ -1,7 +1,9 @@
-"""Train-step time of a small GPT on local gloo ranks: pjit (DP, TP) vs DDP, eager
-DTensor TP and single-device eager, side by side in one run.
+"""Train-step time of a small GPT (or an MLP) on local gloo ranks: pjit (DP, TP; the
+graph runner and inductor) vs DDP, eager DTensor TP and single-device eager, side by
+side in one run.
 
     python benchmarks/bench_train_step.py [--d-model 128 --layers 2 --batch 8 ...]
+    python benchmarks/bench_train_step.py --model mlp      # 8 x Linear(1024), batch 64
 
 Every rank gets ``cpu_count // world`` intra-op threads (sharded.launch's default).
 Every mode is set up and run ``--warmup`` times, then the modes are timed round-robin
@@ -37,12 +39,26 @@ from sharded import launch  # noqa: E402
 MODES = {
     "single": "single-device eager (functional, sharded.optim.adamw), full batch",
     "single_module": "single-device eager nn.Module + torch.optim.AdamW, full batch",
-    "pjit_dp": "pjit data parallel: batch P('dp'), params replicated",
+    "pjit_dp": "pjit data parallel: batch P('dp'), params replicated; compile=False (graph)",
+    "pjit_dp_inductor": "pjit_dp with compile=True (inductor)",
     "pjit_dp_reduced": "pjit DP, grads constrained to P() before AdamW",
     "ddp": "DDP(nn.Module) + torch.optim.AdamW, batch split",
-    "pjit_tp": "pjit tensor parallel: tp_specs, batch replicated",
+    "pjit_tp": "pjit tensor parallel: tp_specs, batch replicated; compile=False (graph)",
+    "pjit_tp_inductor": "pjit_tp with compile=True (inductor)",
     "dtensor_tp": "eager DTensor TP: same functional step on DTensor params from shard()",
 }
+DEFAULT_MODES = ["single", "single_module", "pjit_dp", "pjit_dp_inductor", "ddp", "pjit_tp",
+                 "pjit_tp_inductor", "dtensor_tp"]
+
+
+def mlp_tp_specs(params):
+    """Megatron pairs over "tp": even layers split on the output dim, odd layers on
+    the input dim (their bias replicated)."""
+    from sharded import P
+
+    return {"layers": [{"w": P("tp") if i % 2 == 0 else P(None, "tp"),
+                        "b": P("tp") if i % 2 == 0 else P()}
+                       for i in range(len(params["layers"]))]}
 
 
 def _timed_interleaved(steps: dict, warmup: int, iters: int) -> dict[str, list[float]]:
@@ -67,16 +83,34 @@ def _rank_main(a: dict) -> dict:
     import sharded.rules  # noqa: F401  (SDPA sharding rules, for eager DTensor)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from benchmarks import _models as M
     from benchmarks._models import GPTModule, module_loss, train_step_reduced_grads
     from sharded import Mesh, P, gather, optim, shard
+    from sharded.modes import DTensorExpandMode
     from transforms import pjit
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = gpt.GPTConfig(vocab=a["vocab"], d_model=a["d_model"], n_heads=a["heads"],
-                        n_layers=a["layers"], seq=a["seq"], sdpa=not a["matmul_attn"])
-    params = gpt.init_params(cfg, 0)
-    ids, tgt = gpt.batch(cfg, a["batch"], seed=1)
-    lb = a["batch"] // world
+    if a["model"] == "mlp":
+        params = M.mlp_init(a["mlp_width"], a["mlp_layers"])
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randn(a["mlp_batch"], a["mlp_width"], generator=g)
+        tgt = torch.randn(a["mlp_batch"], a["mlp_width"], generator=g)
+        cfg = None
+        functional_step = M.mlp_train_step
+        make_module = lambda: M.MLPModule(params)                     # noqa: E731
+        mod_loss = lambda m, x, y: torch.nn.functional.mse_loss(m(x), y)   # noqa: E731
+        tp_specs, dp_specs = mlp_tp_specs, gpt.dp_specs
+    else:
+        cfg = gpt.GPTConfig(vocab=a["vocab"], d_model=a["d_model"], n_heads=a["heads"],
+                            n_layers=a["layers"], seq=a["seq"], sdpa=not a["matmul_attn"])
+        params = gpt.init_params(cfg, 0)
+        ids, tgt = gpt.batch(cfg, a["batch"], seed=1)
+        functional_step = gpt.train_step
+        make_module = lambda: GPTModule(params, cfg)                   # noqa: E731
+        mod_loss = module_loss
+        tp_specs, dp_specs = gpt.tp_specs, gpt.dp_specs
+    extra = () if cfg is None else (cfg,)
+    lb = ids.shape[0] // world
     my_ids, my_tgt = ids[rank * lb:(rank + 1) * lb], tgt[rank * lb:(rank + 1) * lb]
     out: dict = {"times": {}, "loss0": {}, "first_call_s": {}, "cost": {}}
     steps: dict = {}
@@ -91,12 +125,12 @@ def _rank_main(a: dict) -> dict:
             st = {"p": params, "o": optim.adamw_init(params)}
 
             def step():
-                st["p"], st["o"], st["loss"] = gpt.train_step(st["p"], st["o"], ids, tgt, cfg)
+                st["p"], st["o"], st["loss"] = functional_step(st["p"], st["o"], ids, tgt, *extra)
             step()
             record(mode, step, float(st["loss"]))
 
         elif mode in ("single_module", "ddp"):
-            model = GPTModule(params, cfg)
+            model = make_module()
             x, y = (ids, tgt) if mode == "single_module" else (my_ids, my_tgt)
             if mode == "ddp":
                 model = DDP(model)
@@ -105,7 +139,7 @@ def _rank_main(a: dict) -> dict:
 
             def step():
                 opt.zero_grad(set_to_none=True)
-                loss = module_loss(model, x, y)
+                loss = mod_loss(model, x, y)
                 loss.backward()
                 opt.step()
                 st["loss"] = loss.detach()
@@ -115,25 +149,27 @@ def _rank_main(a: dict) -> dict:
                 dist.all_reduce(loss0, op=dist.ReduceOp.AVG)
             record(mode, step, float(loss0))
 
-        elif mode in ("pjit_dp", "pjit_dp_reduced", "pjit_tp"):
-            if mode == "pjit_tp":
+        elif mode in ("pjit_dp", "pjit_dp_inductor", "pjit_dp_reduced", "pjit_tp", "pjit_tp_inductor"):
+            if mode.startswith("pjit_tp"):
                 mesh = Mesh((world,), ("tp",))
-                ps, bs = gpt.tp_specs(params), P()
+                ps, bs = tp_specs(params), P()
             else:
                 mesh = Mesh((world,), ("dp",))
-                ps, bs = gpt.dp_specs(params), P("dp")
+                ps, bs = dp_specs(params), P("dp")
             os_ = gpt.opt_specs(ps)
-            fn = train_step_reduced_grads if mode == "pjit_dp_reduced" else gpt.train_step
-            f = pjit(fn, in_specs=(ps, os_, bs, bs), out_specs=(ps, os_, P()),
-                     mesh=mesh, static_argnums=(4,))
+            fn = train_step_reduced_grads if mode == "pjit_dp_reduced" else functional_step
+            fn_ = lambda *args: fn(*args)        # noqa: E731  (a program of its own per mode)
+            f = pjit(fn_, in_specs=(ps, os_, bs, bs), out_specs=(ps, os_, P()), mesh=mesh,
+                     static_argnums=(4,) if extra else (),
+                     mode=DTensorExpandMode(compile=mode.endswith("_inductor")))
             st = {"p": shard(params, ps, mesh), "o": shard(optim.adamw_init(params), os_, mesh)}
             d_ids, d_tgt = shard((ids, tgt), bs, mesh)
-            low = f.lower(st["p"], st["o"], d_ids, d_tgt, cfg)
+            low = f.lower(st["p"], st["o"], d_ids, d_tgt, *extra)
             out["cost"][mode] = low.cost()
             out["cost"][mode]["local_nodes"] = len(low.local_graph.graph.nodes)
 
             def step():
-                st["p"], st["o"], st["loss"] = f(st["p"], st["o"], d_ids, d_tgt, cfg)
+                st["p"], st["o"], st["loss"] = f(st["p"], st["o"], d_ids, d_tgt, *extra)
             dist.barrier()
             t0 = time.perf_counter()
             step()  # first call: compile (traced by .lower above) + agree + run
@@ -142,13 +178,13 @@ def _rank_main(a: dict) -> dict:
 
         elif mode == "dtensor_tp":
             mesh = Mesh((world,), ("tp",))
-            ps = gpt.tp_specs(params)
+            ps = tp_specs(params)
             os_ = gpt.opt_specs(ps)
             st = {"p": shard(params, ps, mesh), "o": shard(optim.adamw_init(params), os_, mesh)}
             d_ids, d_tgt = shard((ids, tgt), P(), mesh)
 
             def step():
-                st["p"], st["o"], st["loss"] = gpt.train_step(st["p"], st["o"], d_ids, d_tgt, cfg)
+                st["p"], st["o"], st["loss"] = functional_step(st["p"], st["o"], d_ids, d_tgt, *extra)
             step()
             record(mode, step, float(gather(st["loss"])))
         else:
@@ -162,6 +198,10 @@ def _rank_main(a: dict) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
+    ap.add_argument("--mlp-width", type=int, default=1024)
+    ap.add_argument("--mlp-layers", type=int, default=8)
+    ap.add_argument("--mlp-batch", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
@@ -172,14 +212,16 @@ def main(argv=None):
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                    help="comma-separated subset of " + ",".join(MODES))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "train_step.json"))
     args = ap.parse_args(argv)
-    a = {k: getattr(args, k) for k in ("vocab", "d_model", "heads", "layers", "batch", "seq",
+    a = {k: getattr(args, k) for k in ("model", "mlp_width", "mlp_layers", "mlp_batch", "vocab",
+                                       "d_model", "heads", "layers", "batch", "seq",
                                        "matmul_attn", "warmup", "iters")}
     a["modes"] = [m for m in args.modes.split(",") if m]
-    if args.batch % args.world:
-        ap.error("--batch must be divisible by --world")
+    if (args.mlp_batch if args.model == "mlp" else args.batch) % args.world:
+        ap.error("the batch must be divisible by --world")
 
     t0 = time.perf_counter()
     per_rank = launch(_rank_main, args.world, a)
@@ -189,8 +231,10 @@ def main(argv=None):
     spread = {m: (min(min(r["times"][m]) for r in per_rank) * 1e3,
                   max(max(r["times"][m]) for r in per_rank) * 1e3) for m in a["modes"]}
     base = ms.get("single")
-    print(f"GPT d={args.d_model} L={args.layers} H={args.heads} V={args.vocab} "
-          f"batch={args.batch} seq={args.seq} sdpa={not args.matmul_attn}; world {args.world}, "
+    what = (f"MLP {args.mlp_layers}x{args.mlp_width} batch={args.mlp_batch}" if args.model == "mlp"
+            else f"GPT d={args.d_model} L={args.layers} H={args.heads} V={args.vocab} "
+                 f"batch={args.batch} seq={args.seq} sdpa={not args.matmul_attn}")
+    print(f"{what}; world {args.world}, "
           f"{max(1, (os.cpu_count() or 1) // args.world)} thread(s)/rank; "
           f"median of {args.iters} interleaved rounds after {args.warmup} warmup")
     print(f"{'mode':<17}{'ms/step':>9}{'min..max':>16}{'vs single':>11}{'loss@0':>9}  what")
@@ -200,7 +244,8 @@ def main(argv=None):
         print(f"{m:<17}{ms[m]:>9.1f}{f'{lo:.1f}..{hi:.1f}':>16}{rel:>11}"
               f"{per_rank[0]['loss0'][m]:>9.4f}  {MODES[m]}")
     ratios = {}
-    for num, den in (("pjit_dp", "ddp"), ("pjit_dp_reduced", "ddp"), ("pjit_tp", "dtensor_tp"),
+    for num, den in (("pjit_dp", "ddp"), ("pjit_dp_inductor", "ddp"), ("pjit_dp_reduced", "ddp"),
+                     ("pjit_tp", "dtensor_tp"), ("pjit_tp_inductor", "dtensor_tp"),
                      ("ddp", "single_module")):
         if num in ms and den in ms:
             ratios[f"{num}/{den}"] = ms[num] / ms[den]
@@ -214,9 +259,13 @@ def main(argv=None):
         print(f"{m}: collectives per step (rank 0) {kinds}, {c['total']['bytes']} bytes; "
               f"{c['local_nodes']} local graph nodes; first call "
               f"{per_rank[0]['first_call_s'][m]:.2f} s")
-    cfg = gpt.GPTConfig(vocab=args.vocab, d_model=args.d_model, n_heads=args.heads,
-                        n_layers=args.layers, seq=args.seq)
-    leaves = optree.tree_leaves(gpt.init_params(cfg, 0))
+    if args.model == "mlp":
+        from benchmarks._models import mlp_init
+        leaves = optree.tree_leaves(mlp_init(args.mlp_width, args.mlp_layers))
+    else:
+        cfg = gpt.GPTConfig(vocab=args.vocab, d_model=args.d_model, n_heads=args.heads,
+                            n_layers=args.layers, seq=args.seq)
+        leaves = optree.tree_leaves(gpt.init_params(cfg, 0))
     n_tensors, n_elems = len(leaves), sum(t.numel() for t in leaves)
     print(f"model: {n_tensors} parameter tensors, {n_elems / 1e6:.2f} M parameters")
     result = {

@@ -538,3 +538,10 @@ def abstract_device_mesh(shape, axis_names, rank: int, device_type: str):
     dm._thread_id = next(_ABSTRACT_IDS)
     dm._hash = None
     return dm
+
+
+def is_compile_failure(e: BaseException) -> bool:
+    """Did ``torch.compile`` fail to compile (before the compiled code ran)?"""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    return isinstance(e, BackendCompilerFailed)

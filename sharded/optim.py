@@ -84,9 +84,11 @@ def adamw(params, grads, state, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: fl
 
 def _fusable(*lists) -> bool:
     """Can torch's fused AdamW kernel run these (floating point, one dtype and device,
-    CPU or CUDA, as torch.optim's ``fused=True`` requires)?"""
+    CPU or CUDA, as torch.optim's ``fused=True`` requires; not eager DTensors, whose
+    sharding strategy for the functional kernel is broken in torch 2.13: NOTE [Fused
+    optimizer kernels] in sharded/modes/_expand.py)?"""
     tensors = [t for xs in lists for t in xs]
-    if not tensors:
+    if not tensors or any(_torch.is_dtensor(t) for t in tensors):
         return False
     dtype, device = tensors[0].dtype, tensors[0].device
     return (dtype.is_floating_point and device.type in ("cpu", "cuda", "meta")

@@ -54,3 +54,22 @@ def test_adamw_fused_and_foreach_paths_both_match_torch():
     for g in mixed_grads:
         mixed, state = adamw(mixed, g, state, lr=1e-2, weight_decay=0.1)
     torch.testing.assert_close(mixed, ref)
+
+
+def test_adamw_on_eager_dtensors_matches_torch():
+    """Eager DTensor params (as a user stepping outside pjit would have): the foreach
+    path, since DTensor's strategy for the functional fused kernel is broken in torch
+    2.13 (it once raised "Tensor meta for aten._fused_adamw.default should be a
+    list[TensorMeta]")."""
+    from sharded import Mesh, P, optim, shard
+
+    mesh = Mesh((1,), ("dp",))
+    params, grads = _problem()
+    ref = _reference(torch.optim.AdamW, params, grads, lr=1e-2, weight_decay=0.1)
+    dparams = shard(params, {"a": P("dp"), "b": P()}, mesh)
+    assert not optim._fusable(list(dparams.values()))
+    state = adamw_init(dparams)
+    for g in grads:
+        dparams, state = adamw(dparams, shard(g, {"a": P("dp"), "b": P()}, mesh), state,
+                               lr=1e-2, weight_decay=0.1)
+    torch.testing.assert_close({k: v.full_tensor() for k, v in dparams.items()}, ref)

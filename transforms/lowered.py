@@ -15,6 +15,8 @@ class Lowered:
       moved per call on this rank.
     - ``collectives()``: each collective in program order.
     - ``memory()``: this rank's memory while it runs the program (a static estimate).
+    - ``compile_times()``: seconds spent tracing, partitioning, in the passes and (once
+      it has compiled) in inductor; ``runner()``: what runs the program now.
     """
 
     def __init__(self, compiled, name: str):
@@ -46,6 +48,22 @@ class Lowered:
         generated code frees it) and ``peak_node``. Lowering runs nothing, so this
         works on ``Mesh.abstract`` meshes of any size and with meta-tensor inputs."""
         return memory(self.local_graph)
+
+    def compile_times(self) -> dict:
+        """Seconds this program took to build: ``trace`` (make_fx of the function),
+        ``partition`` (the mode's expansion into this rank's program), ``passes``
+        (bucketing, overlap, reinplacing), and ``inductor``: the compile of the
+        program into inductor's code (with its first run) once the runner has compiled
+        it (NOTE [Runners]), else None."""
+        times = dict(self._c.times)
+        times["inductor"] = getattr(self._c.runner, "compile_seconds", None)
+        return times
+
+    def runner(self) -> str:
+        """What runs this program now: ``"graph"``, ``"inductor"``, or ``"graph
+        (compile failed)"`` (NOTE [Runners]); with ``compile="auto"`` the graph
+        until the program has run often enough."""
+        return getattr(self._c.runner, "kind", "graph")
 
     def as_text(self, which: str = "local") -> str:
         """The ``"local"`` (this rank's) or ``"global"`` program as Python code,

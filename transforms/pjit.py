@@ -15,9 +15,10 @@ import inspect
 import os
 import re
 import threading
+import time
 import types
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -151,6 +152,7 @@ class Compiled:
     rng_device: Any = None
     program: int = 0                     # digest the ranks compare before each run
     lines: Callable = list               # the digest's readable form (for a mismatch)
+    times: dict = field(default_factory=dict)   # seconds: trace, partition, passes
 
     def outcome(self, leaves: list) -> sync.Outcome:
         """What this call brings to the cross-rank agreement (no communication):
@@ -394,7 +396,9 @@ class Pjit:
         out_info: dict[str, Any] = {}
         flat_fn = self._flat_fn(sig, out_info)
         inputs = [f"{p}: {_fmt_meta(m)}" for p, m in zip(tensor_paths, metas)]
+        t0 = time.perf_counter()
         global_gm = trace_global(flat_fn, metas, self.name, fn=self.fn, inputs=inputs)
+        times = {"trace": time.perf_counter() - t0}
         mutated = mutated_inputs(global_gm)
         if mutated:
             raise ValueError(
@@ -412,8 +416,11 @@ class Pjit:
         for node, path in zip(global_gm.graph.find_nodes(op="placeholder"),
                               tensor_paths + ["rng seed", "rng offset"]):
             node.meta["sharded_path"] = path
+        t0 = time.perf_counter()
         part = self.mode.partition(global_gm, in_placements + rng_placements, out_specs, mesh)
+        t1 = time.perf_counter()
         local_gm = self.mode.transform_and_compile(part.graph, mesh)
+        times.update(partition=t1 - t0, passes=time.perf_counter() - t1)
         if part.in_placements is not None:       # the mode laid the inputs out itself
             in_placements = list(part.in_placements[:len(in_placements)])
             in_specs = [from_placements(pl, mesh, m.ndim) for pl, m in zip(in_placements, metas)]
@@ -446,12 +453,12 @@ class Pjit:
         out_plan = [("static", v) if not isinstance(v, torch.Tensor) else ("dtensor", next(dt_specs))
                     for v in out_leaves]
         return Compiled(
-            global_graph=global_gm, local_graph=local_gm, runner=self.mode.runner(local_gm),
+            global_graph=global_gm, local_graph=local_gm, runner=self.mode.runner(local_gm, self.name),
             mesh=mesh, name=self.name, in_plan=in_plan, in_paths=paths, in_specs=in_specs,
             out_treedef=out_treedef, out_plan=out_plan, out_placements=part.out_placements,
             layouts=part.layouts, n_draws=n_draws,
             rng_device=_mesh_device(mesh) if n_draws else None,
-            program=sync.token(*lines()), lines=lines,
+            program=sync.token(*lines()), lines=lines, times=times,
         )
 
     def _flat_fn(self, sig: _Signature, out_info: dict) -> Callable:

@@ -8,7 +8,9 @@ functionalized) into the program one rank runs, in two steps:
   collectives). Returns a ``Partitioned``.
 - ``transform_and_compile(local_graph, mesh)``: mode-specific passes on the local
   graph (at least dead-code elimination); ``runner(graph)`` gives what runs it each
-  call (the graph, or a compiled form of it).
+  call: the graph, or inductor's code for it, as the mode's ``compile`` says
+  (``False``, ``True`` or ``"auto"``, the default: NOTE [Runners] in
+  ``sharded/modes/_runner.py``).
 
 Modes are chosen per pjit call (``pjit(..., mode=...)``); the default is
 ``DTensorExpandMode()``.
@@ -23,6 +25,7 @@ from typing import Sequence
 import torch.fx as fx
 from torch.distributed.tensor import Placement
 
+from sharded.modes._runner import make_runner
 from sharded.passes import (bucket_all_reduces, cse, dce, reinplace_foreach, remove_identity_views,
                             remove_trivial_collectives, sink_waits)
 
@@ -48,6 +51,7 @@ class ParallelMode(abc.ABC):
     """Interface of a parallel mode (see the module docstring)."""
 
     name: str = "ParallelMode"
+    compile: bool | str = "auto"      # NOTE [Runners]
 
     @abc.abstractmethod
     def partition(
@@ -72,14 +76,15 @@ class ParallelMode(abc.ABC):
         graph.recompile()
         return graph
 
-    def runner(self, graph: fx.GraphModule):
-        """What runs the local graph each call (the graph itself, or a compiled form
-        of it). The graph stays the inspectable program (``Lowered``)."""
-        return graph
+    def runner(self, graph: fx.GraphModule, name: str | None = None):
+        """What runs the local graph each call: the graph itself, or inductor's code
+        for it, as ``self.compile`` says (NOTE [Runners]). The graph stays the
+        inspectable program (``Lowered``)."""
+        return make_runner(graph, self.compile, name or self.name)
 
     def cache_key(self) -> tuple:
         """What distinguishes this mode's programs in pjit's cache."""
-        return (type(self).__name__,)
+        return (type(self).__name__, self.compile)
 
     def __repr__(self):
         return f"{type(self).__name__}()"

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from sharded import _torch
 from sharded.modes._expand import RNG_OP, SPECIAL_OPS, LayoutPolicy, expand
+from sharded.modes._runner import check_compile
 from sharded.modes.base import ParallelMode, Partitioned
 from sharded.modes.dtensor_expand import _ADDITIVE, _LINEAR_IN_PARTIAL, reduce_where_produced
 from sharded.passes import (DEFAULT_BUCKET_BYTES, bucket_all_gathers, bucket_all_reduces,
@@ -71,13 +72,16 @@ class DataParallelMode(ParallelMode):
     Sharding that the in_specs give over other mesh axes is kept: on a ("dp", "tp")
     mesh, tensor-parallel specs compose with either layout in one program.
     ``bucket_bytes`` caps a gradient bucket; ``prefetch`` is how many parameter
-    gathers are issued ahead of their use (``"shard"``).
+    gathers are issued ahead of their use (``"shard"``). ``compile`` chooses what runs
+    the local program, as for every mode (NOTE [Runners]: ``False``, ``True`` or
+    ``"auto"``).
     """
 
     name = "DataParallelMode"
 
     def __init__(self, param_sharding: str = "replicate", *, axis: str = "dp",
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, prefetch: int = 1):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, prefetch: int = 1,
+                 compile: bool | str = "auto"):
         if param_sharding not in _SHARDINGS:
             raise ValueError(
                 f"DataParallelMode param_sharding must be one of {_SHARDINGS}; got "
@@ -93,12 +97,15 @@ class DataParallelMode(ParallelMode):
         self.axis = axis
         self.bucket_bytes = bucket_bytes
         self.prefetch = prefetch
+        self.compile = check_compile(compile, "DataParallelMode")
 
     def cache_key(self) -> tuple:
-        return (type(self).__name__, self.param_sharding, self.axis, self.bucket_bytes, self.prefetch)
+        return (type(self).__name__, self.param_sharding, self.axis, self.bucket_bytes,
+                self.prefetch, self.compile)
 
     def __repr__(self):
-        return f"DataParallelMode({self.param_sharding!r}, axis={self.axis!r})"
+        extra = "" if self.compile == "auto" else f", compile={self.compile!r}"
+        return f"DataParallelMode({self.param_sharding!r}, axis={self.axis!r}{extra})"
 
     # -- partition ---------------------------------------------------------------------
     def partition(self, graph, in_placements, out_specs, mesh) -> Partitioned:

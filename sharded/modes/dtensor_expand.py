@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from sharded import _torch
 from sharded.modes._expand import LayoutPolicy, expand, reduced
+from sharded.modes._runner import check_compile
 from sharded.modes.base import ParallelMode, Partitioned
 
 aten = torch.ops.aten
@@ -47,24 +48,20 @@ class DTensorExpandMode(ParallelMode):
     A pending reduction (Partial) left on an output whose spec is unspecified is
     reduced to Replicate, so outputs always have a PartitionSpec.
 
-    ``compile=True`` runs the local graph through ``torch.compile`` (inductor): it
-    fuses elementwise chains such as the counter-based RNG's, at a compile cost of
-    seconds to a minute on CPU.
+    ``compile`` chooses what runs the local program (NOTE [Runners]): ``False`` the
+    graph, ``True`` inductor's code from the first call (it fuses elementwise chains
+    such as the counter-based RNG's, at a compile cost of seconds to a minute on
+    CPU), ``"auto"`` (default) the graph first and inductor once a long run makes
+    the compile pay.
     """
 
     name = "DTensorExpandMode"
 
-    def __init__(self, *, compile: bool = False):
-        self.compile = compile
-
-    def runner(self, graph):
-        return torch.compile(graph, backend="inductor", fullgraph=True) if self.compile else graph
-
-    def cache_key(self) -> tuple:
-        return (type(self).__name__, self.compile)
+    def __init__(self, *, compile: bool | str = "auto"):
+        self.compile = check_compile(compile, "DTensorExpandMode")
 
     def __repr__(self):
-        return f"DTensorExpandMode(compile={self.compile})"
+        return f"DTensorExpandMode(compile={self.compile!r})"
 
     def partition(self, graph, in_placements, out_specs, mesh) -> Partitioned:
         return expand(graph, in_placements, out_specs, mesh, PendingSumPolicy(), self.name)

@@ -1,0 +1,127 @@
+"""The runner choice (NOTE [Runners] in sharded/modes/_runner.py): every mode takes
+``compile=False | True | "auto"``; inductor's code gives the graph's results (on real
+ranks, with the data-parallel collectives inside), "auto" switches at the same call on
+every rank and only for programs big enough, a failed compile falls back to the graph,
+and ``Lowered`` reports the compile times and the runner."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sharded import Mesh, P, gather, optim
+from sharded.modes import DataParallelMode, DTensorExpandMode
+from sharded.modes import _runner
+from tests import test_data_parallel as dpm
+from transforms import pjit
+
+
+def _tiny(x):
+    return torch.relu(x * 2 + 1).sum()
+
+
+def _tiny2(x):        # another function: pjit's cache is per function
+    return torch.relu(x * 2 + 1).sum()
+
+
+def test_compile_choices_are_checked():
+    for bad in ("yes", 1, 0, None):
+        with pytest.raises(ValueError, match=r"DTensorExpandMode: compile must be False \(run the graph\), True"):
+            DTensorExpandMode(compile=bad)
+        with pytest.raises(ValueError, match=r"DataParallelMode: compile must be False"):
+            DataParallelMode(compile=bad)
+    # the choice is part of the program's identity
+    assert DTensorExpandMode(compile=True).cache_key() != DTensorExpandMode().cache_key()
+    assert DataParallelMode(compile=False).cache_key() != DataParallelMode().cache_key()
+
+
+def test_auto_keeps_small_programs_as_graphs():
+    mesh = Mesh((1,), ("dp",))
+    f = pjit(_tiny, in_specs=P(), mesh=mesh)           # default: compile="auto"
+    x = torch.randn(8)
+    low = f.lower(x)
+    assert _runner.compute_ops(low.local_graph) < _runner.compile_min_ops()
+    runner = low._c.runner
+    assert runner.after == -1                          # never compiles
+    for _ in range(3):
+        torch.testing.assert_close(gather(f(x)), _tiny(x))
+    assert low.runner() == "graph" and low.compile_times()["inductor"] is None
+    times = low.compile_times()
+    assert set(times) == {"trace", "partition", "passes", "inductor"}
+    assert all(times[k] > 0 for k in ("trace", "partition", "passes"))
+
+
+def test_compile_true_and_auto_switch(monkeypatch):
+    """compile=True runs inductor from the first call; "auto" after
+    SHARDED_COMPILE_AFTER calls; both equal the graph."""
+    monkeypatch.setenv("SHARDED_COMPILE_AFTER", "2")
+    monkeypatch.setenv("SHARDED_COMPILE_MIN_OPS", "0")
+    mesh = Mesh((1,), ("dp",))
+    x = torch.randn(16)
+    graph = pjit(_tiny2, in_specs=P(), mesh=mesh, mode=DTensorExpandMode(compile=False))
+    eager = pjit(_tiny2, in_specs=P(), mesh=mesh, mode=DTensorExpandMode(compile=True))
+    auto = pjit(_tiny2, in_specs=P(), mesh=mesh, mode=DTensorExpandMode(compile="auto"))
+    want = gather(graph(x))
+    kinds = []
+    for _ in range(3):
+        torch.testing.assert_close(gather(auto(x)), want)
+        kinds.append(auto.lower(x).runner())
+    assert kinds == ["graph", "graph", "inductor"]
+    torch.testing.assert_close(gather(eager(x)), want)
+    low = eager.lower(x)
+    assert low.runner() == "inductor" and low.compile_times()["inductor"] > 0
+    assert graph.lower(x).runner() == "graph"
+
+
+def test_failed_compile_falls_back_to_the_graph(monkeypatch):
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    def broken_compile(graph, **kwargs):
+        def run(*args):
+            raise BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler"), None)
+        return run
+
+    monkeypatch.setattr(_runner.torch, "compile", broken_compile)
+    mesh = Mesh((1,), ("dp",))
+    f = pjit(lambda x: _tiny(x), in_specs=P(), mesh=mesh, mode=DTensorExpandMode(compile=True))
+    x = torch.randn(8)
+    with pytest.warns(UserWarning, match=r"pjit\(<lambda>\): inductor could not compile the program, so it runs as a graph"):
+        out = f(x)
+    torch.testing.assert_close(gather(out), _tiny(x))
+    assert f.lower(x).runner() == "graph (compile failed)"
+    torch.testing.assert_close(gather(f(x)), _tiny(x))       # no second warning needed
+
+
+def _compiled_data_parallel_step():
+    """On every rank: DataParallelMode("shard") with "auto" switching to inductor at
+    the second call: every step equals the single-device step, with the gathers and
+    reduce-scatters inside the compiled code."""
+    os.environ["SHARDED_COMPILE_AFTER"] = "1"
+    try:
+        mesh = Mesh((2,), ("dp",))
+        step = pjit(dpm.train_step, in_specs=dpm._specs(False), mesh=mesh,
+                    mode=DataParallelMode("shard"))
+        params = dpm.init()
+        opt = optim.adamw_init(params)
+        ids, targets = dpm.batch()
+        p, o, rp, ro = params, opt, params, opt
+        kinds = []
+        for _ in range(3):
+            p, o, loss = step(p, o, ids, targets)
+            rp, ro, ref_loss = dpm.train_step(rp, ro, ids, targets)
+            torch.testing.assert_close(gather(loss), ref_loss, rtol=1e-5, atol=1e-5)
+            kinds.append(step.lower(p, o, ids, targets).runner())
+        torch.testing.assert_close(gather(p), rp, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(gather(o), ro, rtol=1e-4, atol=1e-6)
+        kinds_collectives = {c.kind for c in step.lower(p, o, ids, targets).collectives()}
+        return kinds, kinds_collectives
+    finally:
+        del os.environ["SHARDED_COMPILE_AFTER"]
+
+
+def test_inductor_runs_the_data_parallel_program(on_ranks):
+    for kinds, collectives in on_ranks(2, _compiled_data_parallel_step):
+        assert kinds == ["graph", "inductor", "inductor"]
+        assert {"all_gather", "reduce_scatter"} <= collectives, collectives
