@@ -44,7 +44,7 @@ def test_auto_keeps_small_programs_as_graphs():
     low = f.lower(x)
     assert _runner.compute_ops(low.local_graph) < _runner.compile_min_ops()
     runner = low._c.runner
-    assert runner.after == -1                          # never compiles
+    assert runner._next_check == -1                    # never compiles
     for _ in range(3):
         torch.testing.assert_close(gather(f(x)), _tiny(x))
     assert low.runner() == "graph" and low.compile_times()["inductor"] is None
@@ -54,10 +54,12 @@ def test_auto_keeps_small_programs_as_graphs():
 
 
 def test_compile_true_and_auto_switch(monkeypatch):
-    """compile=True runs inductor from the first call; "auto" after
-    SHARDED_COMPILE_AFTER calls; both equal the graph."""
-    monkeypatch.setenv("SHARDED_COMPILE_AFTER", "2")
+    """compile=True runs inductor from the first call; "auto" once the graph has run
+    for SHARDED_COMPILE_BUDGET seconds, asked at calls FIRST_CHECK, 2 x FIRST_CHECK,
+    ...; both equal the graph."""
+    monkeypatch.setenv("SHARDED_COMPILE_BUDGET", "1e-9")
     monkeypatch.setenv("SHARDED_COMPILE_MIN_OPS", "0")
+    monkeypatch.setattr(_runner, "FIRST_CHECK", 2)
     mesh = Mesh((1,), ("dp",))
     x = torch.randn(16)
     graph = pjit(_tiny2, in_specs=P(), mesh=mesh, mode=DTensorExpandMode(compile=False))
@@ -95,10 +97,14 @@ def test_failed_compile_falls_back_to_the_graph(monkeypatch):
 
 
 def _compiled_data_parallel_step():
-    """On every rank: DataParallelMode("shard") with "auto" switching to inductor at
-    the second call: every step equals the single-device step, with the gathers and
-    reduce-scatters inside the compiled code."""
-    os.environ["SHARDED_COMPILE_AFTER"] = "1"
+    """On every rank: DataParallelMode("shard") with "auto": rank 0's budget is spent
+    at once, rank 1's never, and both switch to inductor at the check at call 1 (the
+    ranks decide together); every step equals the single-device step, with the
+    gathers and reduce-scatters inside the compiled code."""
+    import torch.distributed as dist
+
+    os.environ["SHARDED_COMPILE_BUDGET"] = "1e-9" if dist.get_rank() == 0 else "1e9"
+    first, _runner.FIRST_CHECK = _runner.FIRST_CHECK, 1
     try:
         mesh = Mesh((2,), ("dp",))
         step = pjit(dpm.train_step, in_specs=dpm._specs(False), mesh=mesh,
@@ -118,7 +124,8 @@ def _compiled_data_parallel_step():
         kinds_collectives = {c.kind for c in step.lower(p, o, ids, targets).collectives()}
         return kinds, kinds_collectives
     finally:
-        del os.environ["SHARDED_COMPILE_AFTER"]
+        del os.environ["SHARDED_COMPILE_BUDGET"]
+        _runner.FIRST_CHECK = first
 
 
 def test_inductor_runs_the_data_parallel_program(on_ranks):

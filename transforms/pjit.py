@@ -453,7 +453,7 @@ class Pjit:
         out_plan = [("static", v) if not isinstance(v, torch.Tensor) else ("dtensor", next(dt_specs))
                     for v in out_leaves]
         return Compiled(
-            global_graph=global_gm, local_graph=local_gm, runner=self.mode.runner(local_gm, self.name),
+            global_graph=global_gm, local_graph=local_gm, runner=self.mode.runner(local_gm, self.name, mesh),
             mesh=mesh, name=self.name, in_plan=in_plan, in_paths=paths, in_specs=in_specs,
             out_treedef=out_treedef, out_plan=out_plan, out_placements=part.out_placements,
             layouts=part.layouts, n_draws=n_draws,

@@ -9,25 +9,30 @@ Every mode takes ``compile=``:
   first call: elementwise chains fused into C++ (or Triton) kernels, buffers reused.
   Compiling costs seconds to a minute on CPU at the first call; inductor's on-disk
   caches make a later process's compile of the same program several times faster.
-- ``"auto"`` (the default): the graph for the first ``SHARDED_COMPILE_AFTER`` calls
-  (default 100), then inductor, if the program has at least
-  ``SHARDED_COMPILE_MIN_OPS`` compute ops (default 32). A test, a notebook cell or a
-  short run never pays a compile; a training run pays it once, at a step every rank
-  reaches together (the call count is the same on every rank, the ranks agree on
-  every call), and runs compiled code for the thousands of steps after. A program of
-  a handful of ops gains nothing from fusion and stays a graph.
+- ``"auto"`` (the default): rent, then buy. The program runs as a graph until the
+  time spent running it reaches ``SHARDED_COMPILE_BUDGET`` seconds (default 20, about
+  what inductor takes to compile a small train step on CPU with warm caches), then
+  inductor compiles it. This is the ski-rental rule: whatever the number of calls
+  turns out to be, the total time (runs + compile) is at most about twice that of
+  the better of "never compile" and "compile at once", without knowing the number of
+  calls in advance. A test, a notebook cell or a short run never pays a compile; a
+  training run pays it once and runs compiled code for the thousands of steps after.
+  Programs of fewer than ``SHARDED_COMPILE_MIN_OPS`` compute ops (default 32) gain
+  nothing from fusion and stay graphs. The ranks decide together: their clocks
+  differ, so at calls 16, 32, 64, ... (every rank runs each program the same number
+  of times) they all-reduce "my budget is spent" (MAX, one tiny collective over the
+  agreement's group) and switch at the same call.
 
 Measured on the 2-core CPU machine (benchmarks/README.md): inductor takes the MLP
 8x1024 data-parallel step from 1.05x DDP's time to 0.63x, a small GPT's from 1.03x to
-0.93x; it compiles in 10-80 s cold and 8-13 s with warm caches. At ~10% of a 30 ms
-step, a 10 s compile pays after ~3,000 steps: not in a test, easily in a training run.
+0.93x; it compiles in 10-80 s cold and 6-13 s with warm caches.
 
 If the compile fails (no C++ compiler on the machine, an op inductor cannot lower),
 the runner warns once and keeps the graph: the failure comes before any compiled code
 runs, so no collective was issued and every rank still runs the same collectives in
-the same order. The compiled code issues the graph's collectives in the graph's order
-(inductor keeps functional collectives where they are unless asked to reorder), so a
-rank may run compiled code while another still runs the graph.
+the same order. Ranks switch at the same call, so the ranks of a program always run
+the same code: inductor's schedule may order independent collectives differently
+from the graph.
 """
 
 from __future__ import annotations
@@ -37,15 +42,16 @@ import time
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
-from sharded import _torch
+from sharded import _torch, sync
 
 CHOICES = (False, True, "auto")
 
 
-def compile_after() -> int:
-    return int(os.environ.get("SHARDED_COMPILE_AFTER", "100"))
+def compile_budget() -> float:
+    return float(os.environ.get("SHARDED_COMPILE_BUDGET", "20"))
 
 
 def compile_min_ops() -> int:
@@ -56,51 +62,73 @@ def check_compile(value, api: str):
     if not (value is False or value is True or (isinstance(value, str) and value == "auto")):
         raise ValueError(
             f"{api}: compile must be False (run the graph), True (inductor from the first "
-            f"call) or 'auto' (the graph, then inductor after {compile_after()} calls for "
-            f"programs of {compile_min_ops()}+ ops); got {value!r}."
+            f"call) or 'auto' (the graph, then inductor once the program has run "
+            f"{compile_budget():g} s as a graph); got {value!r}."
         )
     return value
 
 
 def compute_ops(graph: fx.GraphModule) -> int:
-    """The program's ops that inductor could fuse or plan (not collectives, waits,
-    getitems or views of nothing)."""
+    """The program's ops that inductor could fuse or plan (not collectives, waits or
+    getitems)."""
     skip = set(_torch.COLLECTIVE_OPS) | {_torch.WAIT_OP}
     return sum(1 for n in graph.graph.nodes
                if n.op == "call_function" and n.target not in skip
                and getattr(n.target, "__name__", "") != "getitem")
 
 
-def make_runner(graph: fx.GraphModule, compile, name: str = "pjit"):
+def make_runner(graph: fx.GraphModule, compile, name: str = "pjit", mesh=None):
     """What runs ``graph`` each call, for ``compile`` (NOTE [Runners])."""
     if compile is False:
         return graph
     if compile is True:
-        return Runner(graph, name, after=0, min_ops=0)
-    return Runner(graph, name, after=compile_after(), min_ops=compile_min_ops())
+        return Runner(graph, name, mesh, budget=0.0, min_ops=0)
+    return Runner(graph, name, mesh, budget=compile_budget(), min_ops=compile_min_ops())
+
+
+FIRST_CHECK = 16      # "auto" asks at calls 16, 32, 64, ...
 
 
 class Runner:
-    """Runs the graph, and inductor's compiled code from call ``after`` on (call 0:
-    from the first call) if the graph has ``min_ops`` compute ops or more."""
+    """Runs the graph until the time it has spent running it reaches ``budget``
+    seconds (0: from the first call), then inductor's code; programs of fewer than
+    ``min_ops`` compute ops stay graphs. The ranks of ``mesh`` decide together."""
 
-    def __init__(self, graph: fx.GraphModule, name: str, *, after: int, min_ops: int):
+    def __init__(self, graph: fx.GraphModule, name: str, mesh, *, budget: float, min_ops: int):
         self.graph = graph
         self.name = name
-        self.after = after
+        self.mesh = mesh
+        self.budget = budget
         self.calls = 0
-        self.fn = graph
+        self.graph_seconds = 0.0       # spent running the graph
         self.kind = "graph"            # "graph", "inductor" or "graph (compile failed)"
         self.compile_seconds: float | None = None   # inductor's compile (its first call)
         self._compiled = None
+        self._next_check = 0 if budget <= 0 else FIRST_CHECK
         if compute_ops(graph) < min_ops:
-            self.after = -1            # never
+            self._next_check = -1      # never
+
+    def _worth_compiling(self) -> bool:
+        """Has the graph run for ``budget`` seconds on some rank? Every rank asks at
+        the same call (the ranks run each program the same number of times) and gets
+        the same answer (one small all-reduce at calls 16, 32, 64, ...)."""
+        want = self.graph_seconds >= self.budget
+        group = sync.group_for(self.mesh) if self.mesh is not None else None
+        if group is not None:
+            flag = torch.tensor([int(want)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            want = bool(flag.item())
+        return want
 
     def __call__(self, *args):
-        first = self.calls == self.after
-        if first:
-            self._compiled = torch.compile(self.graph, backend="inductor", fullgraph=True)
-            self.kind = "inductor"
+        first = False
+        if self.calls == self._next_check:
+            self._next_check *= 2
+            if self.budget <= 0 or self._worth_compiling():
+                self._compiled = torch.compile(self.graph, backend="inductor", fullgraph=True)
+                self.kind = "inductor"
+                self._next_check = -1
+                first = True
         self.calls += 1
         if self._compiled is not None:
             try:
@@ -118,4 +146,8 @@ class Runner:
                               stacklevel=2)
                 self._compiled = None
                 self.kind = "graph (compile failed)"
-        return self.graph(*args)
+                self._next_check = -1
+        t0 = time.perf_counter()
+        out = self.graph(*args)
+        self.graph_seconds += time.perf_counter() - t0
+        return out

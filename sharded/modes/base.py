@@ -76,11 +76,11 @@ class ParallelMode(abc.ABC):
         graph.recompile()
         return graph
 
-    def runner(self, graph: fx.GraphModule, name: str | None = None):
+    def runner(self, graph: fx.GraphModule, name: str | None = None, mesh=None):
         """What runs the local graph each call: the graph itself, or inductor's code
         for it, as ``self.compile`` says (NOTE [Runners]). The graph stays the
         inspectable program (``Lowered``)."""
-        return make_runner(graph, self.compile, name or self.name)
+        return make_runner(graph, self.compile, name or self.name, mesh)
 
     def cache_key(self) -> tuple:
         """What distinguishes this mode's programs in pjit's cache."""
