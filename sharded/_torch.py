@@ -59,6 +59,15 @@ def is_functorch_wrapped(x: torch.Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(x)
 
 
+def is_vmapped(x: torch.Tensor) -> bool:
+    """Is ``x`` batched by torch.func.vmap (under any other torch.func wrappers)?"""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        if torch._C._functorch.is_batchedtensor(x):
+            return True
+        x = torch._C._functorch.get_unwrapped(x)
+    return False
+
+
 def functorch_base(x: torch.Tensor) -> torch.Tensor:
     """The plain tensor under ``x``'s torch.func (grad/vmap) wrappers, if any (the same
     Python object that the transform wrapped)."""
@@ -459,3 +468,28 @@ def storage_key(t: torch.Tensor):
     from torch.multiprocessing.reductions import StorageWeakRef
 
     return StorageWeakRef(t.untyped_storage())
+
+
+# -- the joint forward/backward program (pjit under autograd) ----------------------------
+
+def partition_joint(joint, n_fwd_outputs: int):
+    """Split a joint forward+backward graph into ``(forward, backward)`` graph modules
+    with torch's default partitioner (AOTAutograd's), keeping the program's own order:
+    the forward computes the first ``n_fwd_outputs`` outputs and returns, after them,
+    the values the backward needs; the backward takes those values (in that order),
+    then the cotangents, and returns the joint graph's remaining outputs.
+
+    ``joint``'s nodes carry ``meta["sharded_phase"]`` ("forward" / "backward") and its
+    cotangent inputs are placeholders named ``tangents_<k>`` (the partitioner's
+    conventions, set here from the phase tags)."""
+    import warnings
+
+    from torch._functorch.partitioners import default_partition
+
+    for n in joint.graph.nodes:
+        phase = n.meta.get("sharded_phase")
+        if phase is not None:
+            n.meta["partitioner_tag"] = "is_forward" if phase == "forward" else "is_backward"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return default_partition(joint, None, num_fwd_outputs=n_fwd_outputs)

@@ -350,9 +350,14 @@ def c_scalar_and_none_leaves_ok():
     _close(gather(f(_x(), 2.5, None)), _x() * 2.5)
 
 
-def c_inside_torch_func_grad():
+def c_inside_torch_func_grad_ok():
     g = pjit(lambda x: x * 2, in_specs=P(), mesh=_mesh())
-    return torch.func.grad(lambda x: g(x).sum())(torch.ones(2))
+    _close(torch.func.grad(lambda x: g(x).sum())(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def c_inside_torch_func_vmap():
+    g = pjit(lambda x: x * 2, in_specs=P(), mesh=_mesh())
+    return torch.func.vmap(g)(torch.ones(3, 2))
 
 
 def c_not_callable():
@@ -820,7 +825,8 @@ CASES = {
     "in_specs_differ": (c_in_specs_differ, MISMATCH),
     "dtensor_resharded_ok": (c_dtensor_resharded_ok, OK),
     "scalar_and_none_leaves_ok": (c_scalar_and_none_leaves_ok, OK),
-    "inside_torch_func_grad": (c_inside_torch_func_grad, E("TypeError", r"was called inside a torch.func transform \(grad, vmap, ...\)")),
+    "inside_torch_func_grad_ok": (c_inside_torch_func_grad_ok, OK),
+    "inside_torch_func_vmap": (c_inside_torch_func_vmap, E("TypeError", r"pjit\(<lambda>\) was called inside torch.func.vmap; a pjit call cannot be batched from outside. Put vmap inside the function")),
     "not_callable": (c_not_callable, E("TypeError", r"pjit expects a callable; got int 3")),
     "mode_not_a_mode": (c_mode_not_a_mode, E("TypeError", r"pjit mode must be a sharded.modes.ParallelMode; got 'dtensor'")),
     "no_args_ok": (c_no_args_ok, OK),

@@ -30,6 +30,7 @@ from sharded.modes import DTensorExpandMode, ParallelMode
 from sharded.passes import fingerprint
 from sharded.random.rewrite import rewrite_random_ops
 from sharded.spec import P, check_spec, from_placements, local_slice, to_placements
+from transforms import _autograd
 from transforms._trace import in_global_trace, mutated_inputs, trace_global
 from transforms.lowered import Lowered
 
@@ -128,6 +129,7 @@ class _Signature:
     static_args: tuple
     static_argnums: tuple        # normalized for this call
     key: tuple
+    grad: tuple | None = None    # per tensor leaf: requires grad (None: the no-grad path)
 
 
 @dataclass(eq=False)
@@ -151,12 +153,20 @@ class Compiled:
     rng_device: Any = None
     program: int = 0                     # digest the ranks compare before each run
     lines: Callable = list               # the digest's readable form (for a mismatch)
+    # differentiable entries (NOTE [pjit under autograd] in transforms/_autograd.py)
+    differentiable: bool = False
+    n_tensor_out: int = 0                # the program's first outputs; residuals follow
+    diff_out: list = dataclasses.field(default_factory=list)   # per tensor output: requires grad
+    grad_in: list = dataclasses.field(default_factory=list)    # tensor inputs that get a gradient
+    backward: Any = None                 # _autograd.Backward, or None
 
     def outcome(self, leaves: list) -> sync.Outcome:
         """What this call brings to the cross-rank agreement (no communication):
         checks DTensor inputs and folds in those that will be redistributed."""
         dm = self.mesh.device_mesh
         moves = []
+        if self.differentiable:           # torch.func-wrapped inputs: look at what they wrap
+            leaves = [_torch.functorch_base(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         for i, (leaf, pl) in enumerate(zip(leaves, self.in_plan)):
             if pl is None or not isinstance(leaf, DTensor):
                 continue
@@ -178,10 +188,12 @@ class Compiled:
 
         return sync.Outcome(program, lines, srandom._call_state() if self.n_draws else None)
 
-    def run(self, leaves: list) -> Any:
+    def _locals(self, leaves: list, plan: list) -> list:
+        """This rank's input tensors for the program (``plan``: per leaf, its
+        placements, or None for a static leaf)."""
         dm = self.mesh.device_mesh
         locals_ = []
-        for leaf, pl in zip(leaves, self.in_plan):
+        for leaf, pl in zip(leaves, plan):
             if pl is None:
                 continue
             if isinstance(leaf, DTensor):
@@ -193,10 +205,28 @@ class Compiled:
                 locals_.append(local_slice(leaf.detach(), pl, self.mesh))
         if self.n_draws:
             locals_.extend(srandom._take(self.n_draws, self.rng_device))
-        outs = iter(self.runner(*locals_))
+        return locals_
+
+    def run(self, leaves: list) -> Any:
+        outs = iter(self.runner(*self._locals(leaves, self.in_plan)))
         flat = [v if kind == "static" else _torch.make_dtensor(next(outs), v)
                 for kind, v in self.out_plan]
         return _tree.unflatten(self.out_treedef, flat)
+
+    # -- the differentiable path (NOTE [pjit under autograd]) ------------------------
+    def run_grad(self, leaves: list) -> Any:
+        tensors = [leaf for leaf, pl in zip(leaves, self.in_plan) if pl is not None]
+        outs = iter(_autograd.apply(self, tensors))
+        flat = [v if kind == "static" else next(outs) for kind, v in self.out_plan]
+        return _tree.unflatten(self.out_treedef, flat)
+
+    def forward(self, tensors: list) -> tuple[list, list]:
+        """The forward program on the tensor inputs: (output DTensors, residuals)."""
+        plan = [pl for pl in self.in_plan if pl is not None]
+        outs = self.runner(*self._locals(tensors, plan))
+        n = self.n_tensor_out
+        specs = [v for kind, v in self.out_plan if kind != "static"]
+        return [_torch.make_dtensor(o, spec) for o, spec in zip(outs[:n], specs)], list(outs[n:])
 
 
 class Pjit:
@@ -262,7 +292,8 @@ class Pjit:
         states = sync.agree(mesh, self.name, outcome)
         if states is not None and entry is not None and entry.n_draws:
             srandom._settle(states, self.name)
-        return sync.run_guarded(self.name, entry.run, sig.leaves, mesh=mesh)
+        run = entry.run if sig.grad is None else entry.run_grad
+        return sync.run_guarded(self.name, run, sig.leaves, mesh=mesh)
 
     def lower(self, *args) -> Lowered:
         """Trace and partition for ``args`` without running (no communication)."""
@@ -279,15 +310,11 @@ class Pjit:
         dyn = tuple(a for i, a in enumerate(args) if i not in nums)
         leaves, treedef = _tree.flatten(dyn)
         leaf_keys = []
+        differentiable = False
         for j, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
-                if _torch.is_functorch_wrapped(x):
-                    raise TypeError(
-                        f"{self.name} was called inside a torch.func transform (grad, vmap, "
-                        f"...); a pjit/shard_map call is not differentiable from outside. Put "
-                        f"the transform inside the function instead: "
-                        f"pjit(torch.func.grad(loss), ...)."
-                    )
+                if x.requires_grad or _torch.is_functorch_wrapped(x):
+                    differentiable = True
                 leaf_keys.append((tuple(x.shape), x.dtype, x.device.type))
             else:
                 if type(x) not in _PLAIN_STATIC:
@@ -295,7 +322,18 @@ class Pjit:
                 leaf_keys.append(("static", type(x), x))   # 1, 1.0 and True are distinct
         key = (treedef, tuple(leaf_keys), tuple((type(v), v) for v in static), nums, mesh,
                _ambient())
-        return _Signature(mesh, leaves, treedef, static, nums, key)
+        grad = None
+        if differentiable:      # NOTE [pjit under autograd]: a program with a backward
+            if any(_torch.is_vmapped(x) for x in leaves if isinstance(x, torch.Tensor)):
+                raise TypeError(_autograd.VMAP.format(name=self.name))
+            enabled = torch.is_grad_enabled()
+            grad = tuple(enabled and x.requires_grad for x in leaves if isinstance(x, torch.Tensor))
+            if any(grad) or any(_torch.is_functorch_wrapped(x) for x in leaves
+                                if isinstance(x, torch.Tensor)):
+                key = key + (("grad", grad),)
+            else:
+                grad = None
+        return _Signature(mesh, leaves, treedef, static, nums, key, grad)
 
     def _static_argnums_for(self, nargs: int) -> tuple:
         if all(i >= 0 for i in self.static_argnums) and all(i < nargs for i in self.static_argnums):
@@ -358,8 +396,14 @@ class Pjit:
             mark = _torch.fx_source_mark()
             keep = ()
             try:
-                entry = self._build(sig, args)
+                if _torch.functorch_level() > 0:     # called under torch.func.grad etc.
+                    with _torch.clear_functorch_stack():
+                        entry = self._build(sig, args)
+                else:
+                    entry = self._build(sig, args)
                 keep = (entry.global_graph, entry.local_graph)
+                if entry.backward is not None:
+                    keep += (entry.backward.global_graph, entry.backward.local_graph)
             finally:
                 _torch.release_fx_sources(mark, keep)   # NOTE [Bounded caches]
                 _torch.bound_process_caches()
@@ -379,6 +423,7 @@ class Pjit:
         for x, (spath, spec), apath in zip(sig.leaves, leaf_specs, paths):
             if not isinstance(x, torch.Tensor):
                 continue
+            x = _torch.functorch_base(x)       # under torch.func.grad: the tensor it wraps
             spec = P() if spec is None else spec
             check_spec(spec, x.shape, mesh, f"{spath} (for {apath})")
             if isinstance(x, DTensor) and x.device_mesh != mesh.device_mesh:
@@ -394,8 +439,9 @@ class Pjit:
         out_info: dict[str, Any] = {}
         flat_fn = self._flat_fn(sig, out_info)
         inputs = [f"{p}: {_fmt_meta(m)}" for p, m in zip(tensor_paths, metas)]
-        global_gm = trace_global(flat_fn, metas, self.name, fn=self.fn, inputs=inputs)
-        mutated = mutated_inputs(global_gm)
+        global_gm = trace_global(flat_fn, metas, self.name, fn=self.fn, inputs=inputs,
+                                 requires_grad=sig.grad)
+        mutated = [i for i in mutated_inputs(global_gm) if i < len(tensor_paths)]
         if mutated:
             raise ValueError(
                 f"{self.name}: the function mutates its input {tensor_paths[mutated[0]]} "
@@ -404,21 +450,28 @@ class Pjit:
                 f"its buffers in place (BatchNorm) needs them cloned inside the function "
                 f"and returned (docs/concepts.md, 'Module state')."
             )
+        joint = global_gm.meta.get("joint")
+        backward_gm = None
+        if joint is not None:          # NOTE [pjit under autograd]
+            global_gm, backward_gm = _torch.partition_joint(global_gm, joint.n_out)
 
         out_leaves, out_treedef = out_info["leaves"], out_info["treedef"]
         out_specs = self._out_leaf_specs(out_leaves, out_treedef, mesh)
+        n_out = len(out_specs)
+        out_vals = [n for n in global_gm.graph.nodes if n.op == "output"][0].args[0]
+        n_saved = len(out_vals) - n_out
         n_draws = rewrite_random_ops(global_gm, self.name)
         rng_placements = [to_placements(P(), mesh)] * 2 if n_draws else []  # seed, offset
         for node, path in zip(global_gm.graph.find_nodes(op="placeholder"),
                               tensor_paths + ["rng seed", "rng offset"]):
             node.meta["sharded_path"] = path
-        part = self.mode.partition(global_gm, in_placements + rng_placements, out_specs, mesh)
+        part = self.mode.partition(global_gm, in_placements + rng_placements,
+                                   out_specs + [None] * n_saved, mesh)
         local_gm = self.mode.transform_and_compile(part.graph, mesh)
         if part.in_placements is not None:       # the mode laid the inputs out itself
             in_placements = list(part.in_placements[:len(in_placements)])
             in_specs = [from_placements(pl, mesh, m.ndim) for pl, m in zip(in_placements, metas)]
 
-        out_vals = [n for n in global_gm.graph.nodes if n.op == "output"][0].args[0]
         out_dt_specs = [
             _torch.build_dtensor_spec(mesh.device_mesh, pl, v.meta["val"].shape,
                                       v.meta["val"].stride(), v.meta["val"].dtype)
@@ -427,18 +480,29 @@ class Pjit:
         out_paths = [p for p, v in zip(_tree.leaf_paths(_tree.unflatten(out_treedef, out_leaves),
                                                         "output"), out_leaves)
                      if isinstance(v, torch.Tensor)]
+        backward = None
+        if backward_gm is not None:
+            backward = self._build_backward(
+                backward_gm, joint, part, out_vals, out_dt_specs, out_paths, in_placements,
+                metas, mesh)
         sig_lines = [f"input {p}: {_fmt_meta(m)} {s!r}"
                      for p, m, s in zip(tensor_paths, metas, in_specs)]
         sig_lines += [f"static args[{i}]: {stable_repr(v)}" for i, v in zip(nums, sig.static_args)]
         sig_lines += [f"static leaf {p}: {stable_repr(x)}"
                       for p, x in zip(paths, sig.leaves) if not isinstance(x, torch.Tensor)]
-        sig_lines += [f"ambient: {_ambient_text(sig.key[-1])}"]
+        sig_lines += [f"ambient: {_ambient_text(sig.key[-1] if sig.grad is None else sig.key[-2])}"]
         sig_lines += [f"output {p}: {_fmt_meta(v.meta['val'])} {tuple(pl)}"
                       for p, v, pl in zip(out_paths, out_vals, part.out_placements)]
+        if sig.grad is not None:
+            sig_lines += [f"requires grad: {list(sig.grad)}"]
 
         def lines() -> list[str]:
-            return (sig_lines + ["global program:"] + program_lines(global_gm)
-                    + ["local collectives:"] + fingerprint(local_gm, mesh)[1])
+            out = (sig_lines + ["global program:"] + program_lines(global_gm)
+                   + ["local collectives:"] + fingerprint(local_gm, mesh)[1])
+            if backward is not None:
+                out += (["backward program:"] + program_lines(backward.global_graph)
+                        + ["backward collectives:"] + fingerprint(backward.local_graph, mesh)[1])
+            return out
 
         placements = iter(in_placements)
         in_plan = [next(placements) if t else None for t in tensor_leaf]
@@ -448,10 +512,66 @@ class Pjit:
         return Compiled(
             global_graph=global_gm, local_graph=local_gm, runner=self.mode.runner(local_gm),
             mesh=mesh, name=self.name, in_plan=in_plan, in_paths=paths, in_specs=in_specs,
-            out_treedef=out_treedef, out_plan=out_plan, out_placements=part.out_placements,
+            out_treedef=out_treedef, out_plan=out_plan,
+            out_placements=part.out_placements[:n_out],
             layouts=part.layouts, n_draws=n_draws,
             rng_device=_mesh_device(mesh) if n_draws else None,
             program=sync.token(*lines()), lines=lines,
+            differentiable=joint is not None, n_tensor_out=n_out,
+            diff_out=list(joint.diff_out) if joint is not None else [],
+            grad_in=list(joint.grad_in) if joint is not None else [],
+            backward=backward,
+        )
+
+    def _build_backward(self, gm, joint, fwd, out_vals, out_dt_specs, out_paths, in_placements,
+                        metas, mesh) -> "_autograd.Backward":
+        """Partition the backward global program (NOTE [pjit under autograd]): its
+        inputs are the forward's residuals and the cotangents of the outputs that
+        require grad, laid out as the forward produced them; its outputs are the
+        gradients, laid out as their inputs enter the forward program."""
+        n_out = joint.n_out
+        res_vals = out_vals[n_out:]
+        res_pl = list(fwd.out_placements[n_out:])
+        diff = [i for i in range(n_out) if joint.diff_out[i]]
+        in_pl = res_pl + [fwd.out_placements[i] for i in diff]
+        kinds = (fwd.layouts or {}).get("outputs", {})
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        sources = [(f"residual {v.name}", n_out + k) for k, v in enumerate(res_vals)]
+        sources += [(f"cotangent of {out_paths[i]}", i) for i in diff]
+        for node, (path, k) in zip(placeholders, sources):
+            node.meta["sharded_path"] = path
+            kind = kinds.get(f"output[{k}]")
+            if kind is not None:       # DataParallelMode: batch or state, as in the forward
+                node.meta["sharded_kind"] = kind[0]
+        n_draws = rewrite_random_ops(gm, f"{self.name} backward")
+        rng = [to_placements(P(), mesh)] * 2 if n_draws else []
+        grad_specs = [from_placements(in_placements[i], mesh, metas[i].ndim) for i in joint.grad_in]
+        part = self.mode.partition(gm, in_pl + rng, grad_specs, mesh)
+        local_gm = self.mode.transform_and_compile(part.graph, mesh)
+        got = list(part.in_placements) if part.in_placements is not None else in_pl
+        dm = mesh.device_mesh
+        res_moves = []
+        for v, src, dst in zip(res_vals, res_pl, got):
+            val = v.meta["val"]
+            res_moves.append(None if tuple(src) == tuple(dst) else (
+                _torch.build_dtensor_spec(dm, src, val.shape, val.stride(), val.dtype), tuple(dst)))
+        tan_specs = []
+        for i, dst in zip(diff, got[len(res_vals):]):
+            val = out_vals[i].meta["val"]
+            tan_specs.append(_torch.build_dtensor_spec(dm, dst, val.shape, val.stride(), val.dtype))
+        out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        grad_dt = [
+            _torch.build_dtensor_spec(dm, pl, v.meta["val"].shape, v.meta["val"].stride(),
+                                      v.meta["val"].dtype)
+            for v, pl in zip(out_node.args[0], part.out_placements)
+        ]
+        name = f"{self.name} backward"
+        return _autograd.Backward(
+            global_graph=gm, local_graph=local_gm, runner=self.mode.runner(local_gm),
+            mesh=mesh, name=name, res_moves=res_moves, tan_specs=tan_specs, grad_specs=grad_dt,
+            n_draws=n_draws, rng_device=_mesh_device(mesh) if n_draws else None,
+            program=sync.token(name, *program_lines(gm), *fingerprint(local_gm, mesh)[1]),
+            lines=lambda: [name] + program_lines(gm) + fingerprint(local_gm, mesh)[1],
         )
 
     def _flat_fn(self, sig: _Signature, out_info: dict) -> Callable:

@@ -47,7 +47,7 @@ from sharded.modes._expand import RNG_OP, SPECIAL_OPS, LayoutPolicy, expand
 from sharded.modes.base import ParallelMode, Partitioned
 from sharded.modes.dtensor_expand import _ADDITIVE, _LINEAR_IN_PARTIAL
 from sharded.passes import (DEFAULT_BUCKET_BYTES, bucket_all_gathers, bucket_all_reduces,
-                            bucket_reduce_scatters, cse, dce, prefetch_all_gathers,
+                            bucket_reduce_scatters, cse, dce, hoist_reductions, prefetch_all_gathers,
                             reinplace_foreach, remove_identity_views, remove_trivial_collectives,
                             sink_waits)
 from sharded.spec import P, from_placements, to_placements
@@ -121,10 +121,17 @@ class DataParallelMode(ParallelMode):
 
     def _check_batch_inputs(self, placeholders, in_placements, mesh, dp) -> set:
         """The batch inputs (their spec names the axis); they must agree on the size of
-        the batch they split."""
+        the batch they split. An input whose ``meta["sharded_kind"]`` says what it is
+        (pjit's backward program: a residual or cotangent of the forward, which the
+        forward's analysis classified) is taken as that kind."""
         batch, sizes = set(), {}
         for n, pl in zip(placeholders, in_placements):
             p = pl[dp]
+            kind = n.meta.get("sharded_kind")
+            if kind is not None:
+                if kind == "batch" and isinstance(p, Shard):
+                    batch.add(n)
+                continue
             if isinstance(p, Shard):
                 batch.add(n)
                 sizes[n] = (p.dim, n.meta["val"].shape[p.dim])
@@ -160,7 +167,7 @@ class DataParallelMode(ParallelMode):
         [Overlap]): gradient reductions bucketed in backward order (all-reduces, or
         reduce-scatters for ``"shard"``), parameter gathers bucketed in use order and
         prefetched ``prefetch`` buckets ahead, waits sunk to the first use."""
-        graph = cse(dce(remove_identity_views(remove_trivial_collectives(graph))))
+        graph = hoist_reductions(cse(dce(remove_identity_views(remove_trivial_collectives(graph)))))
         if self.param_sharding == "shard":
             graph = bucket_reduce_scatters(graph, self.bucket_bytes)
             graph = bucket_all_gathers(graph, self.bucket_bytes)
