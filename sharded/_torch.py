@@ -493,3 +493,43 @@ def partition_joint(joint, n_fwd_outputs: int):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return default_partition(joint, None, num_fwd_outputs=n_fwd_outputs)
+
+
+# -- donated inputs (pjit donate_argnums) -------------------------------------------------
+
+class _Donated(torch.Tensor):
+    """What a donated DTensor holds as its local tensor after the call: the metadata
+    of the old shard, and an error for every op (NOTE [Donation] in transforms/pjit.py)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, message: str):
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(),
+                                                dtype=like.dtype, device=like.device)
+        t._message = message
+        return t
+
+    def __repr__(self):
+        return f"<donated: {self._message}>"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        for a in tree_leaves((args, kwargs or {})):
+            if isinstance(a, _Donated):
+                raise RuntimeError(a._message)
+        raise RuntimeError("a donated tensor was used")
+
+
+def mark_donated(dt: DTensor, message: str) -> None:
+    """Make every later use of ``dt``'s data raise ``message`` (its storage now
+    belongs to the program's outputs)."""
+    dt._local_tensor = _Donated(dt._local_tensor, message)
+
+
+def donated_message(dt: DTensor) -> str | None:
+    """Why ``dt`` may not be used (it was donated), or None."""
+    local = dt._local_tensor
+    return local._message if isinstance(local, _Donated) else None
