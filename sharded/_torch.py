@@ -145,6 +145,16 @@ def make_dtensor(local: torch.Tensor, spec) -> DTensor:
     return DTensor(local, spec, requires_grad=local.requires_grad)
 
 
+def local_shape_of(shape, placements, device_mesh) -> tuple:
+    """This rank's shard shape of a tensor of ``shape`` laid out by ``placements``
+    (any DTensor placement, _StridedShard included)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    with suspend_dispatch_modes():       # integer arithmetic with real tensors inside
+        return tuple(compute_local_shape_and_global_offset(torch.Size(shape), device_mesh,
+                                                           tuple(placements))[0])
+
+
 def build_dtensor_spec(device_mesh, placements, shape, stride, dtype):
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 

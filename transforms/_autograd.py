@@ -31,7 +31,7 @@ and the backward reads what they drew (a saved residual): nothing is drawn twice
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -74,6 +74,9 @@ class Backward:
     rng_device: Any = None
     program: int = 0
     lines: Callable = list
+    in_specs: list = field(default_factory=list)         # for Lowered
+    out_placements: list = field(default_factory=list)
+    layouts: dict | None = None
 
     def outcome(self, cotangents) -> sync.Outcome:
         moves = []

@@ -723,6 +723,8 @@ class Pjit:
             n_draws=n_draws, rng_device=_mesh_device(mesh) if n_draws else None,
             program=sync.token(name, *program_lines(gm), *fingerprint(local_gm, mesh)[1]),
             lines=lambda: [name] + program_lines(gm) + fingerprint(local_gm, mesh)[1],
+            in_specs=[_spec_or_placements(pl, mesh, n.meta["val"].ndim) for pl, n in zip(got, placeholders)],
+            out_placements=list(part.out_placements), layouts=part.layouts,
         )
 
     def _flat_fn(self, sig: _Signature, out_info: dict) -> Callable:
@@ -834,6 +836,15 @@ def _reused_inputs(gm: fx.GraphModule, donated_local: list[int], in_paths: list[
             f"them in place (or an output, or the backward, still reads them). They are "
             f"consumed by the call all the same.", stacklevel=4)
     return reused
+
+
+def _spec_or_placements(placements, mesh, ndim):
+    """The P of ``placements``, or the placements where no P expresses them (a
+    residual laid out as a _StridedShard)."""
+    try:
+        return from_placements(placements, mesh, ndim)
+    except ValueError:
+        return tuple(placements)
 
 
 def _mesh_device(mesh) -> torch.device:

@@ -264,7 +264,8 @@ class _DataParallelPolicy(LayoutPolicy):
         out_node = next(iter(n for n in reversed(ex.module.graph.nodes) if n.op == "output"))
         node = out_node.args[0][index]
         reduced = [Replicate() if _torch.is_partial(p) else p for p in value.placements]
-        if isinstance(node, fx.Node) and self.is_batch(ex, node):
+        # (``value``, not ``ex.env``: the interpreter has freed the values by now)
+        if isinstance(node, fx.Node) and node in self.batch and isinstance(self._dp(value), Shard):
             return tuple(reduced)
         return self.mode.state_placements(value.shape, reduced, self.mesh, self.dp)
 
@@ -322,8 +323,11 @@ class _DataParallelPolicy(LayoutPolicy):
         return {"inputs": inputs, "outputs": outputs}
 
 
-def _spec(placements, mesh, ndim) -> P:
-    return from_placements(placements, mesh, ndim)
+def _spec(placements, mesh, ndim):
+    try:
+        return from_placements(placements, mesh, ndim)
+    except ValueError:   # a layout no spec expresses (_StridedShard: a residual of pjit's forward)
+        return tuple(placements)
 
 
 def _has_partial(x) -> bool:
