@@ -52,6 +52,7 @@ class Config:
     n_layers: int = 2
     seq: int = 32
     mlp_ratio: int = 4
+    dropout: float = 0.0     # after the embeddings and on each residual branch (GPT-2)
 
 
 class Attention(nn.Module):
@@ -86,10 +87,11 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
         self.attn, self.mlp = Attention(cfg), MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class GPT(nn.Module):
@@ -104,6 +106,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.seq, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         for name, p in self.named_parameters():
             if p.ndim == 2:
@@ -112,7 +115,7 @@ class GPT(nn.Module):
 
     def forward(self, ids, targets):
         pos = torch.arange(ids.shape[1], device=ids.device)
-        x = self.wte(ids) + self.wpe(pos)
+        x = self.drop(self.wte(ids) + self.wpe(pos))
         for blk in self.blocks:
             x = blk(x)
         logits = self.head(self.ln_f(x))

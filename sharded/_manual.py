@@ -40,13 +40,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
 from sharded import _torch
+
+if TYPE_CHECKING:
+    from sharded.mesh import Mesh
 
 _ATTR = "_sharded_vma"
 _STATE = threading.local()
@@ -57,7 +60,7 @@ VMA_RULES: dict[object, Callable] = {}
 
 @dataclass
 class ManualContext:
-    mesh: object                 # sharded.Mesh
+    mesh: Mesh
     check_vma: bool
     api: str                     # e.g. "shard_map(body)", for messages
     eager: bool = False          # True: real values, collectives run now

@@ -62,6 +62,8 @@ class Region(torch.nn.Module):
     the captured values, then the rng state if the body draws) and returns its output
     blocks; the placements say how the blocks tile the global values."""
 
+    captured: list             # the enclosing program's values the body closes over
+
     def __init__(self, graph: fx.GraphModule, *, name, mesh, check_vma, in_placements,
                  in_axes, in_shapes, out_placements, out_axes, out_shapes, out_dtypes,
                  out_local_shapes, n_draws):

@@ -254,6 +254,21 @@ foreach_addcmul = torch._foreach_addcmul
 foreach_sqrt = torch._foreach_sqrt
 
 
+def fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
+                weight_decay, eps):
+    """AdamW as one fused kernel over lists (the one ``torch.optim.AdamW(fused=True)``
+    runs), functional: returns new ``(params, exp_avgs, exp_avg_sqs)``. A pass that
+    finds the inputs dead afterwards may run it in place (``_fused_adamw_``)."""
+    out = torch.ops.aten._fused_adamw.default(
+        params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    return out[0], out[2], out[3]
+
+
+FUSED_ADAMW = torch.ops.aten._fused_adamw.default
+FUSED_ADAMW_INPLACE = torch.ops.aten._fused_adamw_.default
+
+
 def suspend_dispatch_modes():
     """Run code outside the active fake/proxy modes (e.g. to infer shapes while tracing)."""
     from torch.utils._python_dispatch import _disable_current_modes
@@ -435,16 +450,20 @@ def planned_redistributions(op, args, kwargs) -> list[tuple[torch.Tensor, tuple,
 
 
 # NOTE [User stack traces]
-# make_fx(record_stack_traces=True) keeps only the frames from the first function
-# named ``forward`` on (nn.Module code), so a node traced from a pure function gets
-# no stack trace at all. While pjit traces, the filter keeps the user's frames
-# instead: every frame outside torch, this project's packages and the standard
-# library. Later steps name the user's source line from ``node.meta["stack_trace"]``.
+# Later steps name the user's source line of a node (``node.meta["stack_trace"]``).
+# make_fx(record_stack_traces=True) captures and symbolizes the whole Python stack
+# for every node (a third of the trace's time on GPT-2-small) and then keeps only the
+# frames from the first function named ``forward`` on (nn.Module code): a node traced
+# from a pure function gets none. While pjit traces, ``user_stack_traces`` records the
+# user's frames instead, cheaply: a walk up ``sys._getframe`` that skips torch's, this
+# project's and the standard library's frames (decided once per code object), the
+# innermost user frames formatted as a traceback would be.
 @contextlib.contextmanager
-def user_stack_traces():
+def user_stack_traces(depth: int = 4):
+    import linecache
     import os
+    import sys
     import sysconfig
-    import traceback
 
     from torch.fx.proxy import TracerBase
 
@@ -452,17 +471,35 @@ def user_stack_traces():
     internal = tuple(os.path.join(p, "") for p in (
         os.path.dirname(torch.__file__), here, os.path.join(os.path.dirname(here), "transforms"),
         sysconfig.get_paths()["stdlib"]))
+    is_user: dict = {}
+    create_node = TracerBase.create_node
 
-    def keep_user_frames(self, summary):
-        return traceback.StackSummary.from_list(
-            [f for f in summary if not os.path.abspath(f.filename).startswith(internal)])
+    def create_node_with_user_frames(self, *args, **kwargs):
+        node = create_node(self, *args, **kwargs)
+        if node.meta.get("stack_trace"):
+            return node
+        frames = []
+        f = sys._getframe(1)
+        while f is not None and len(frames) < depth:
+            code = f.f_code
+            user = is_user.get(code)
+            if user is None:
+                user = is_user[code] = not code.co_filename.startswith("<") and not \
+                    os.path.abspath(code.co_filename).startswith(internal)
+            if user:
+                frames.append((code.co_filename, f.f_lineno, code.co_name))
+            f = f.f_back
+        if frames:
+            node.meta["stack_trace"] = "\n".join(
+                f'  File "{file}", line {line}, in {name}\n    {linecache.getline(file, line).strip()}'
+                for file, line, name in reversed(frames))
+        return node
 
-    saved = TracerBase._filter_traceback_frames
-    TracerBase._filter_traceback_frames = keep_user_frames
+    TracerBase.create_node = create_node_with_user_frames
     try:
         yield
     finally:
-        TracerBase._filter_traceback_frames = saved
+        TracerBase.create_node = create_node
 
 
 def source_line(node) -> str:
@@ -543,3 +580,45 @@ def donated_message(dt: DTensor) -> str | None:
     """Why ``dt`` may not be used (it was donated), or None."""
     local = dt._local_tensor
     return local._message if isinstance(local, _Donated) else None
+
+
+# NOTE [Abstract meshes]
+# Mesh.abstract lowers programs for meshes this machine cannot run. A DeviceMesh built
+# with ``_init_backend=False`` and an explicit ``_rank`` is this rank's view of the grid
+# without joining any process group; each axis gets a process group whose backend is
+# torch's FakeProcessGroup (it communicates nothing), registered under a name of its
+# own so that DTensor's redistributes and the functional collectives resolve it. The
+# registry holds groups weakly: the DeviceMesh keeps them alive. A DeviceMesh equals
+# any other over the same rank grid and names (its process groups take no part), so
+# DTensor's sharding and redistribute caches would hand an abstract mesh's ops specs
+# that hold a real mesh of the same shape (its real groups) or another rank's abstract
+# mesh: each abstract mesh gets a ``_thread_id`` of its own, which the equality and
+# the hash include (torch uses the field only for the threaded test backend).
+_ABSTRACT_IDS = iter(range(-1, -(2 ** 62), -1))
+
+
+def abstract_device_mesh(shape, axis_names, rank: int, device_type: str):
+    from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.distributed_c10d import _register_process_group
+
+    grid = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
+    dm = DeviceMesh(device_type, grid, mesh_dim_names=tuple(axis_names), _init_backend=False,
+                    _rank=rank)
+    coord = [int(c) for c in (grid == rank).nonzero()[0]]
+    names = []
+    for d, axis in enumerate(axis_names):
+        backend = FakeProcessGroup._create_internal(coord[d], shape[d], FakeProcessGroup.Options())
+        pg = ProcessGroup(dist.HashStore(), coord[d], shape[d])
+        for dev in ("cpu", "cuda"):
+            pg._register_backend(torch.device(dev), ProcessGroup.BackendType.CUSTOM, backend)
+        pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+        name = f"sharded_abstract_{'x'.join(map(str, shape))}_{axis}_r{rank}"
+        pg._set_group_name(name)
+        _register_process_group(name, pg)
+        dm._pg_registry[name] = pg
+        names.append(name)
+    dm._dim_group_names = names
+    dm._thread_id = next(_ABSTRACT_IDS)
+    dm._hash = None
+    return dm

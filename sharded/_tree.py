@@ -36,7 +36,7 @@ def register_dataclass(cls: type) -> type:
     def unflatten_fn(_, children):
         return cls(**dict(zip(names, children)))
 
-    optree.register_pytree_node(cls, flatten_fn, unflatten_fn,
+    optree.register_pytree_node(cls, flatten_fn, unflatten_fn,  # type: ignore[arg-type]
                                 path_entry_type=optree.GetAttrEntry, namespace=NAMESPACE)
     return cls
 

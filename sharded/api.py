@@ -62,6 +62,8 @@ def place(x: torch.Tensor, placements, mesh: Mesh) -> DTensor:
 def gather(tree):
     """Every DTensor of ``tree`` as a full plain tensor on every rank."""
     leaves, treedef = _tree.flatten(tree)
+    for dm in {id(x.device_mesh): x.device_mesh for x in leaves if isinstance(x, DTensor)}.values():
+        Mesh.from_device_mesh(dm).require_ranks("gather")
     with sync.peer_failures("gather"):
         full = [x.full_tensor() if isinstance(x, DTensor) else x for x in leaves]
     return _tree.unflatten(treedef, full)

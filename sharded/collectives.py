@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -444,7 +444,7 @@ _register(PSUM_SCATTER, _lower_psum_scatter, _with, _dims_vmap(PSUM_SCATTER, 1))
 
 _AllGather = _linear("_AllGather", ALL_GATHER, lambda ct, *params: _Block.apply(ct, *params))
 # this rank's block of an invariant value (all_gather's transpose), and back
-_Block = _linear("_Block", AXIS_BLOCK, lambda ct, *params: _AllGather.apply(ct, *params))
+_Block: Any = _linear("_Block", AXIS_BLOCK, lambda ct, *params: _AllGather.apply(ct, *params))
 # every rank's x fed every block of the sum: the gathered cotangent, varying
 _PsumScatter = _linear("_PsumScatter", PSUM_SCATTER,
                        lambda ct, *params: _PVary.apply(_AllGather.apply(ct, *params), params[0]))
@@ -557,7 +557,7 @@ ALL_TO_ALL = torch.ops.sharded.all_to_all.default
 _register(ALL_TO_ALL, _lower_all_to_all, _with, _dims_vmap(ALL_TO_ALL, 2))
 
 
-_AllToAll = _linear("_AllToAll", ALL_TO_ALL, lambda ct, axes, split_dim, concat_dim, tiled, n:
+_AllToAll: Any = _linear("_AllToAll", ALL_TO_ALL, lambda ct, axes, split_dim, concat_dim, tiled, n:
                     _AllToAll.apply(ct, axes, concat_dim, split_dim, tiled, n))
 
 
@@ -665,7 +665,7 @@ def _inverse(perm: list) -> list:
     return [v for s, d in zip(perm[::2], perm[1::2]) for v in (d, s)]
 
 
-_PPermute = _linear("_PPermute", PPERMUTE,
+_PPermute: Any = _linear("_PPermute", PPERMUTE,
                     lambda ct, axes, perm: _PPermute.apply(ct, axes, _inverse(perm)))
 
 
@@ -731,4 +731,4 @@ def axis_size(axis: str | Sequence[str]) -> int:
 
 
 for _f in (psum, pmean, pmax, pmin, all_gather, psum_scatter, all_to_all, ppermute, axis_index, pvary):
-    _f._sharded_collective = True
+    setattr(_f, "_sharded_collective", True)

@@ -134,6 +134,7 @@ class RankPool:
         self._jobs = 0
 
     def start(self, timeout: float = 120.0) -> "RankPool":
+        """Start the ranks (if not running) and wait until each has joined."""
         if self._procs:
             return self
         ctx = mp.get_context("spawn")
@@ -154,6 +155,7 @@ class RankPool:
         return self
 
     def run(self, fn: Callable, *args, timeout: float = 300.0, **kwargs) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; the results in rank order."""
         self.start()
         self._jobs += 1
         for box in self._inboxes:
@@ -212,7 +214,7 @@ class RankPool:
         raise self._failure(results, order, what, broken)
 
     def _failure(self, results: dict, order: list, what: str, broken: bool) -> BaseException:
-        from sharded.sync import RankFailedError
+        from sharded.sync import RankFailedError, add_note
 
         def summary(r):
             status, value, _ = results[r]
@@ -240,11 +242,12 @@ class RankPool:
             return RankError(f"{what} failed on local ranks {sorted(order)}.{tail}\n{report}")
         exc = value[0]
         failed = sorted(r for r in results if results[r][0] != "ok")
-        exc.add_note(f"(raised on local rank {root}; ranks {failed} failed; every rank's "
-                     f"outcome:){tail}\n{report}")
+        add_note(exc, f"(raised on local rank {root}; ranks {failed} failed; every rank's "
+                 f"outcome:){tail}\n{report}")
         return exc
 
     def close(self, force: bool = False) -> None:
+        """Stop the ranks (``force``: kill them without waiting)."""
         if not self._procs:
             return
         if not force:

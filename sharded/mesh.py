@@ -26,6 +26,7 @@ _CACHE: dict[tuple, "Mesh"] = {}
 # Meshes over user-made DeviceMeshes live as long as someone holds them (a dict keyed
 # by id() would keep every DeviceMesh alive, and could hand a reused id a stale mesh).
 _FROM_DM: "weakref.WeakValueDictionary[int, Mesh]" = weakref.WeakValueDictionary()
+_ABSTRACT: dict[tuple, "Mesh"] = {}
 _LOCK = threading.RLock()
 _STACK = threading.local()
 
@@ -42,6 +43,13 @@ class Mesh:
     ``with mesh:`` makes it the default for ``pjit``/``shard_map`` called inside.
     """
 
+    device_mesh: DeviceMesh
+    axis_names: tuple[str, ...]
+    shape: tuple[int, ...]
+    device_type: str
+    _abstract_rank: int | None
+    _group_axes: dict[str, str]
+
     def __new__(cls, shape: Sequence[int], axis_names: Sequence[str], *, device_type=None):
         shape, axis_names = _check_args(shape, axis_names)
         sync.check_usable(f"Mesh{shape}")
@@ -50,7 +58,7 @@ class Mesh:
         key = (id(dist.group.WORLD), shape, axis_names, device_type)
         with _LOCK:
             if key not in _CACHE:
-                dm = init_device_mesh(device_type, shape, mesh_dim_names=axis_names)
+                dm = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(axis_names))
                 mesh = cls._from_dm(dm)
                 # Creating a mesh is collective anyway: make the agreement's group
                 # now, in the same order on every rank.
@@ -70,19 +78,60 @@ class Mesh:
                 "with init_device_mesh(..., mesh_dim_names=(...))."
             )
         with _LOCK:
-            for mesh in _CACHE.values():
+            for mesh in (*_CACHE.values(), *_ABSTRACT.values()):
                 if mesh.device_mesh is device_mesh:
                     return mesh
-            mesh = _FROM_DM.get(id(device_mesh))
-            if mesh is None or mesh.device_mesh is not device_mesh:
-                mesh = _FROM_DM[id(device_mesh)] = cls._from_dm(device_mesh)
-            return mesh
+            found = _FROM_DM.get(id(device_mesh))
+            if found is None or found.device_mesh is not device_mesh:
+                found = _FROM_DM[id(device_mesh)] = cls._from_dm(device_mesh)
+            return found
+
+    @classmethod
+    def abstract(cls, shape: Sequence[int], axis_names: Sequence[str], *, rank: int = 0,
+                 device_type: str = "cpu") -> "Mesh":
+        """A mesh of any size, for ``.lower()`` only: ``pjit(f, ..., mesh=m).lower(*args)``
+        builds the program that rank ``rank`` of this mesh runs, in this process, with
+        no process group to join (NOTE [Abstract meshes] in ``sharded/_torch.py``).
+        ``Mesh.abstract((64, 8), ("dp", "tp"))`` plans a 512-rank job on a laptop;
+        arguments may be meta tensors (``torch.empty(shape, device="meta")``), so no
+        memory is allocated for them. Running a program on it is an error."""
+        shape, axis_names = _check_args(shape, axis_names)
+        n = math.prod(shape)
+        if not (isinstance(rank, int) and 0 <= rank < n):
+            raise ValueError(
+                f"Mesh.abstract{shape}: rank must be an int in range({n}); got {rank!r}."
+            )
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"Mesh.abstract: device_type must be 'cpu' or 'cuda'; got {device_type!r}.")
+        key = (shape, axis_names, rank, device_type)
+        with _LOCK:
+            if key not in _ABSTRACT:
+                dm = _torch.abstract_device_mesh(shape, axis_names, rank, device_type)
+                mesh = cls._from_dm(dm)
+                mesh._abstract_rank = rank
+                _ABSTRACT[key] = mesh
+            return _ABSTRACT[key]
+
+    @property
+    def is_abstract(self) -> bool:
+        """A mesh from ``Mesh.abstract``: programs on it can be lowered, not run."""
+        return self._abstract_rank is not None
+
+    def require_ranks(self, api: str) -> None:
+        """Error if this mesh is abstract (there are no ranks to run on)."""
+        if self.is_abstract:
+            raise RuntimeError(
+                f"{api} cannot run on {self!r}: it is an abstract mesh (Mesh.abstract), "
+                f"for .lower() only. Run on a Mesh of real ranks (torchrun, or "
+                f"sharded.launch)."
+            )
 
     @classmethod
     def _from_dm(cls, dm: DeviceMesh) -> "Mesh":
         self = object.__new__(cls)
+        self._abstract_rank = None
         self.device_mesh = dm
-        self.axis_names = tuple(dm.mesh_dim_names)
+        self.axis_names = tuple(dm.mesh_dim_names or ())
         self.shape = tuple(dm.mesh.shape)
         self.device_type = dm.device_type
         self._group_axes = {}
@@ -108,17 +157,22 @@ class Mesh:
 
     @property
     def ndim(self) -> int:
+        """The number of mesh axes."""
         return len(self.shape)
 
     @property
     def rank(self) -> int:
+        """This process's global rank (for an abstract mesh, the rank it lowers for)."""
+        if self._abstract_rank is not None:
+            return self._abstract_rank
         return dist.get_rank()
 
     def coordinate(self) -> tuple[int, ...]:
         """This rank's coordinate along each axis."""
-        return tuple(self.device_mesh.get_coordinate())
+        return tuple(self.device_mesh.get_coordinate() or ())
 
     def axis_of_group(self, group_name: str) -> str | None:
+        """The mesh axis whose process group is named ``group_name``, or None."""
         return self._group_axes.get(group_name)
 
     def sync_group(self):
@@ -139,14 +193,23 @@ class Mesh:
 
     def __repr__(self):
         inner = ", ".join(f"{n!r}: {s}" for n, s in zip(self.axis_names, self.shape))
+        if self._abstract_rank is not None:
+            return (f"Mesh.abstract({{{inner}}}, rank={self._abstract_rank}, "
+                    f"device_type={self.device_type!r})")
         return f"Mesh({{{inner}}}, device_type={self.device_type!r})"
 
     def __reduce__(self):
+        if self._abstract_rank is not None:
+            return (_rebuild_abstract, (self.shape, self.axis_names, self._abstract_rank, self.device_type))
         return (_rebuild, (self.shape, self.axis_names, self.device_type))
 
 
 def _rebuild(shape, axis_names, device_type):
     return Mesh(shape, axis_names, device_type=device_type)
+
+
+def _rebuild_abstract(shape, axis_names, rank, device_type):
+    return Mesh.abstract(shape, axis_names, rank=rank, device_type=device_type)
 
 
 def current_mesh(mesh: Mesh | None, api: str) -> Mesh:

@@ -2,9 +2,12 @@
 
 Each update takes and returns pytrees; nothing is mutated, so a whole train step
 (forward, backward, update) is one traced program. The math runs on multi-tensor
-(foreach) ops over all parameters at once, so an update adds a few graph nodes, not
-a dozen per parameter. Numerics follow torch.optim (SGD with momentum and weight
-decay; AdamW with decoupled weight decay and bias correction).
+ops over all parameters at once, so an update adds a few graph nodes, not a dozen per
+parameter: AdamW is torch's fused kernel (the one ``torch.optim.AdamW(fused=True)``
+runs: one pass over parameters, gradients and moments) where every tensor is floating
+point of one dtype and device, else foreach ops. Numerics follow torch.optim (SGD
+with momentum and weight decay; AdamW with decoupled weight decay and bias
+correction).
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ def adamw(params, grads, state, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: fl
     m, _ = _leaves(state["m"], params)
     v, _ = _leaves(state["v"], params)
     step = state["step"] + 1
+    if _fusable(p, g, m, v):
+        p, m, v = _torch.fused_adamw(p, g, m, v, [step] * len(p), lr=lr, beta1=b1, beta2=b2,
+                                     weight_decay=weight_decay, eps=eps)
+        new_state = {"step": step, "m": treedef.unflatten(m), "v": treedef.unflatten(v)}
+        return treedef.unflatten(p), new_state
     m = _torch.foreach_add(_torch.foreach_mul(m, b1), _torch.foreach_mul(g, 1 - b1))
     v = _torch.foreach_addcmul(_torch.foreach_mul(v, b2), g, g, value=1 - b2)
     bias1 = 1 - b1 ** step
@@ -72,3 +80,14 @@ def adamw(params, grads, state, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: fl
     p = _torch.foreach_sub(p, _torch.foreach_mul(_torch.foreach_div(m, denom), lr / bias1))
     new_state = {"step": step, "m": treedef.unflatten(m), "v": treedef.unflatten(v)}
     return treedef.unflatten(p), new_state
+
+
+def _fusable(*lists) -> bool:
+    """Can torch's fused AdamW kernel run these (floating point, one dtype and device,
+    CPU or CUDA, as torch.optim's ``fused=True`` requires)?"""
+    tensors = [t for xs in lists for t in xs]
+    if not tensors:
+        return False
+    dtype, device = tensors[0].dtype, tensors[0].device
+    return (dtype.is_floating_point and device.type in ("cpu", "cuda", "meta")
+            and all(t.dtype == dtype and t.device == device for t in tensors))

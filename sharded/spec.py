@@ -27,6 +27,7 @@ class P:
     """A PartitionSpec. Immutable and hashable; ``P()`` is fully replicated."""
 
     __slots__ = ("_entries",)
+    _entries: tuple
 
     def __init__(self, *entries):
         norm = []
@@ -75,7 +76,7 @@ class P:
     # -- helpers --------------------------------------------------------------
     def axes(self) -> list[str]:
         """Every mesh axis named by this spec, in order of appearance."""
-        out = []
+        out: list[str] = []
         for e in self._entries:
             out.extend(_axes_of(e))
         return out
@@ -85,10 +86,10 @@ PartitionSpec = P
 
 
 def _strip(entries: tuple) -> tuple:
-    entries = list(entries)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return tuple(entries)
+    out = list(entries)
+    while out and out[-1] is None:
+        out.pop()
+    return tuple(out)
 
 
 def _axes_of(entry) -> tuple[str, ...]:

@@ -46,7 +46,7 @@ import sys
 import threading
 import traceback as _traceback
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -111,6 +111,8 @@ def agree(mesh, api: str, outcome) -> list | None:
     seed). Otherwise raises on every rank (see NOTE [Agreement on every call]).
     ``mesh`` None: the world (a rank that could not even find its mesh)."""
     check_usable(api)
+    if mesh is not None:
+        mesh.require_ranks(api)        # an abstract mesh's collectives are fakes
     group = group_for(mesh)
     if group is None:                          # one rank: nothing to compare
         if isinstance(outcome, BaseException):
@@ -137,6 +139,7 @@ def agree(mesh, api: str, outcome) -> list | None:
 
 def _exchange(group, api: str, outcome) -> list:
     me = dist.get_rank()
+    payload: tuple
     if isinstance(outcome, BaseException):
         payload = ("error", me, _describe(outcome), _format_tb(outcome))
     else:
@@ -232,9 +235,20 @@ def group_for(mesh):
 # ---------------------------------------------------------------------------
 
 _KEY = "sharded/failure/{}"
-_STATE = {"released": None, "published": False, "epoch": 0, "store": None, "rank": -1,
+_STATE: dict[str, Any] = {"released": None, "published": False, "epoch": 0, "store": None, "rank": -1,
           "world": 0, "calls": 0}
 _LOCK = threading.Lock()
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` (Python 3.11+); on 3.10 the note is appended to the
+    message's first argument."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
+    else:
+        exc.args = (*exc.args, note)
 
 
 def released() -> str | None:
@@ -338,7 +352,7 @@ def run_guarded(api: str, fn, *args, mesh=None):
             raise
         me = dist.get_rank()
         publish(e, api, "while running its program")
-        e.add_note(f"({api} failed on rank {me} while running; its process groups were "
+        add_note(e, f"({api} failed on rank {me} while running; its process groups were "
                    f"closed so that the other ranks stop too.)")
         release(f"rank {me} failed in {api}")
         raise
@@ -403,7 +417,7 @@ def _peer_failure(api: str, e: BaseException, where: str) -> RankFailedError:
             f"rank {me} stops too:\n  {record['error']}",
             rank=record["rank"], error=record["error"], remote_traceback=record["traceback"],
         )
-        err.add_note(f"rank {record['rank']}'s traceback:\n{record['traceback'].rstrip()}")
+        add_note(err, f"rank {record['rank']}'s traceback:\n{record['traceback'].rstrip()}")
         return err
     return RankFailedError(
         f"{api}: another rank stopped responding{' ' + where if where else ''} (its connection closed or timed "
@@ -476,7 +490,7 @@ def _format_tb(e: BaseException) -> str:
 # Uncaught exceptions (torchrun): publish them before the process exits
 # ---------------------------------------------------------------------------
 
-_HOOKED = []
+_HOOKED: list[Any] = []
 
 
 def install_excepthook() -> None:

@@ -119,8 +119,15 @@ def c_spec_not_divisible():
     return pjit(lambda x: x * 2, in_specs=P("dp"), mesh=_mesh())(torch.ones(3, 2))
 
 
-def c_spec_top_level_dict():
-    return pjit(lambda x: x, in_specs={"x": P()}, mesh=_mesh())(torch.ones(2))
+def c_spec_dict_by_name_ok():
+    f = pjit(lambda x, y: x * y, in_specs={"x": P("dp")}, mesh=_mesh())
+    out = f(torch.arange(4.0), y=torch.full((4,), 2.0))
+    assert spec_of(out) == P("dp"), spec_of(out)
+    _close(gather(out), torch.arange(4.0) * 2)
+
+
+def c_spec_dict_unknown_name():
+    return pjit(lambda x: x, in_specs={"z": P()}, mesh=_mesh())(torch.ones(2))
 
 
 def c_spec_bad_entry():
@@ -776,7 +783,8 @@ CASES = {
     "spec_repeated_axis": (c_spec_repeated_axis, E("ValueError", r"uses mesh axis 'dp' twice \(dims 0 and 1\)")),
     "spec_too_long": (c_spec_too_long, E("ValueError", r"has 2 entries, but the tensor has 1 dims \(shape \(4,\)\)")),
     "spec_not_divisible": (c_spec_not_divisible, E("ValueError", r"in_specs \(for args\[0\]\) maps dim 0 \(size 3\) to mesh axis 'dp' \(size 2\), which does not divide it; pad the input or change the mesh")),
-    "spec_top_level_dict": (c_spec_top_level_dict, E("TypeError", r"pjit\(<lambda>\) in_specs must be a P, None, or a tuple with one entry per positional argument; got dict")),
+    "spec_dict_by_name_ok": (c_spec_dict_by_name_ok, OK),
+    "spec_dict_unknown_name": (c_spec_dict_unknown_name, E("ValueError", r"pjit\(<lambda>\): in_specs\['z'\] names no parameter of the function; it takes \(x\)")),
     "spec_bad_entry": (c_spec_bad_entry, E("TypeError", r"P entry 0 must be None, a mesh axis name or a tuple of axis names; got 1")),
     "spec_scalar_sharded": (c_spec_scalar_sharded, E("ValueError", r"is P\('dp'\), which has 1 entries, but the tensor has 0 dims")),
     "spec_list_ok": (c_spec_list_ok, OK),

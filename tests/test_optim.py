@@ -38,3 +38,19 @@ def test_sgd_momentum_matches_torch():
     for g in grads:
         params, state = sgd(params, g, state, lr=0.1, momentum=0.9, weight_decay=0.01)
     torch.testing.assert_close(params, ref)
+
+
+def test_adamw_fused_and_foreach_paths_both_match_torch():
+    """One dtype: torch's fused kernel; mixed dtypes: the foreach ops. Both follow
+    torch.optim.AdamW."""
+    from sharded import optim
+
+    params, grads = _problem()
+    mixed = {"a": params["a"], "b": params["b"].double()}
+    mixed_grads = [{"a": g["a"], "b": g["b"].double()} for g in grads]
+    assert optim._fusable(list(params.values())) and not optim._fusable(list(mixed.values()))
+    ref = _reference(torch.optim.AdamW, mixed, mixed_grads, lr=1e-2, weight_decay=0.1)
+    state = adamw_init(mixed)
+    for g in mixed_grads:
+        mixed, state = adamw(mixed, g, state, lr=1e-2, weight_decay=0.1)
+    torch.testing.assert_close(mixed, ref)

@@ -27,6 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sharded import _region, _torch
+from sharded.sync import add_note
 from sharded._trace_state import global_trace as _global_trace, in_global_trace  # noqa: F401
 
 
@@ -70,7 +71,11 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
     """
     fake_mode = _torch.new_fake_mode()
     with fake_mode:
-        fakes = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device) for m in metas]
+        # meta inputs (lowering without memory, e.g. for Mesh.abstract) trace as CPU
+        # fakes, so that tensors the function makes on the default device match them
+        fakes = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype,
+                                     device="cpu" if m.device.type == "meta" else m.device)
+                 for m in metas]
     state = ModuleState(fn, api) if fn is not None else None
 
     def guarded(*tensors):
@@ -85,7 +90,7 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
                 try:
                     with _torch.user_stack_traces():
                         # stack traces: errors in later steps name the user's source line
-                        gm = make_fx(traced, tracing_mode="fake", record_stack_traces=True)(*fakes)
+                        gm = make_fx(traced, tracing_mode="fake")(*fakes)
                 finally:
                     if state is not None:
                         state.restore_and_check()
@@ -307,7 +312,7 @@ def _with_context(e: Exception, api: str, inputs: Sequence[str], fn=None) -> Exc
     at = where(user_frame(frames)) or (_defined_at(fn) if fn is not None else "")
     shapes = ", ".join(inputs) if inputs else "no tensor inputs"
     if raised_in and _is_user_file(raised_in):        # the user's own raise: keep it
-        e.add_note(f"(raised while {api} traced the function with inputs {shapes})")
+        add_note(e, f"(raised while {api} traced the function with inputs {shapes})")
         return e
     msg = (f"{api}: tracing the function failed: {type(e).__name__}: {e}\n"
            f"  at {at or '(no frame of your code on the stack)'}\n"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sharded.passes import collectives, cost
+from sharded.passes import collectives, cost, memory
 
 
 class Lowered:
@@ -11,8 +11,10 @@ class Lowered:
     - ``global_graph``: the single-device program (aten ops, global shapes).
     - ``local_graph``: what this rank runs (local shapes, functional collectives).
     - ``as_text()``: the local program as Python code, collectives annotated.
-    - ``cost()``: collectives by kind with bytes moved per call on this rank.
+    - ``cost(by="kind" | "axis")``: collectives by kind (or mesh axis), with bytes
+      moved per call on this rank.
     - ``collectives()``: each collective in program order.
+    - ``memory()``: this rank's memory while it runs the program (a static estimate).
     """
 
     def __init__(self, compiled, name: str):
@@ -28,12 +30,26 @@ class Lowered:
         self.layouts = compiled.layouts
 
     def collectives(self):
+        """Each collective of this rank's program, in program order."""
         return collectives(self.local_graph, self.mesh)
 
-    def cost(self) -> dict:
-        return cost(self.local_graph, self.mesh)
+    def cost(self, by: str = "kind") -> dict:
+        """Collectives per call on this rank, by kind (``by="axis"``: by mesh axis),
+        each ``{"count", "bytes", "wire_bytes"}``, and their ``"total"``."""
+        return cost(self.local_graph, self.mesh, by)
+
+    def memory(self) -> dict:
+        """This rank's memory while it runs the program, estimated from the local
+        graph: ``input_bytes`` (its blocks of the inputs: parameters, optimizer state,
+        batch), ``output_bytes`` (new outputs), ``peak_bytes`` (the most alive at once:
+        inputs plus every intermediate from its allocation to its last use, as the
+        generated code frees it) and ``peak_node``. Lowering runs nothing, so this
+        works on ``Mesh.abstract`` meshes of any size and with meta-tensor inputs."""
+        return memory(self.local_graph)
 
     def as_text(self, which: str = "local") -> str:
+        """The ``"local"`` (this rank's) or ``"global"`` program as Python code,
+        each collective annotated with its kind, shape and mesh axis."""
         gm = self.local_graph if which == "local" else self.global_graph
         calls = {c.node: c for c in collectives(gm, self.mesh)}
         lines = [f"# {self.name} on {self.mesh!r}, rank {self.mesh.rank}, {which} program"]

@@ -377,7 +377,7 @@ class Pjit:
             leaves, treedef = _tree.flatten((dyn, dyn_kw))
         else:
             leaves, treedef = _tree.flatten(dyn)
-        leaf_keys = []
+        leaf_keys: list[tuple] = []
         differentiable = False
         for j, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
@@ -386,7 +386,7 @@ class Pjit:
                 leaf_keys.append((tuple(x.shape), x.dtype, x.device.type))
             else:
                 if type(x) not in _PLAIN_STATIC:
-                    _check_leaf(x, lambda j=j: _dyn_paths(args, nums, dyn_kw)[j], self.name)
+                    _check_leaf(x, functools.partial(_dyn_path, args, nums, dyn_kw, j), self.name)
                 leaf_keys.append(("static", type(x), x))   # 1, 1.0 and True are distinct
         ambient = _ambient()
         key = (treedef, tuple(leaf_keys), tuple((type(v), v) for v in static), nums, mesh, ambient)
@@ -518,7 +518,7 @@ class Pjit:
             if entry is not None:
                 return entry
             mark = _torch.fx_source_mark()
-            keep = ()
+            keep: tuple = ()
             try:
                 if _torch.functorch_level() > 0:     # called under torch.func.grad etc.
                     with _torch.clear_functorch_stack():
@@ -763,7 +763,7 @@ class Pjit:
             self.out_specs, tree, f"{self.name} out_specs",
             is_leaf=lambda x: _tree.is_spec_leaf(x) or x is UNSPECIFIED)
         paths = _tree.leaf_paths(tree, "output")
-        specs = []
+        specs: list = []
         for v, (spath, spec), opath in zip(out_leaves, matched, paths):
             if not isinstance(v, torch.Tensor):
                 continue
@@ -1001,6 +1001,10 @@ def _dyn_paths(args, nums, dyn_kw: dict | None = None) -> list[str]:
     if dyn_kw:
         paths.extend(_tree.leaf_paths(dyn_kw, "kwargs"))
     return paths
+
+
+def _dyn_path(args, nums, dyn_kw, j) -> str:
+    return _dyn_paths(args, nums, dyn_kw)[j]
 
 
 def _holds_tensors(x) -> str | None:

@@ -161,7 +161,7 @@ class ShardMap:
             lines = [f"input {i}: {str(x.dtype).replace('torch.', '')}{list(x.shape)} {s!r}"
                      + (f" from {tuple(x.placements)}" if isinstance(x, DTensor) else "")
                      for i, (x, s) in enumerate(tensors)]
-            outcome = sync.Outcome(sync.token(*lines), lambda: lines)
+            outcome: sync.Outcome | Exception = sync.Outcome(sync.token(*lines), lambda: lines)
         except Exception as e:  # noqa: BLE001 - every rank must hear about it
             outcome = e
         sync.agree(mesh, self.name, outcome)

@@ -124,6 +124,8 @@ class Expander(fx.Interpreter):
             return handler(self, self.node, args, kwargs)
         if isinstance(target, _torch.OpOverload):
             args, kwargs = self.policy.before_op(self, self.node, target, args, kwargs)
+            if target in _ELEMENTWISE_LISTS:
+                return _elementwise_lists(self, target, args, kwargs)
         return super().call_function(target, args, kwargs)
 
     def run_node(self, n):
@@ -250,6 +252,45 @@ def _shard_map(ex: Expander, node, args, kwargs):
     else:
         outs = region.run_local(ex.locals_of(inputs, region.in_placements))
     return ex.globals_of(outs, region.out_placements, region.out_shapes)
+
+
+# -- multi-tensor kernels DTensor cannot plan ---------------------------------------------------
+
+# NOTE [Fused optimizer kernels]
+# sharded.optim.adamw runs torch's fused AdamW kernel (one pass over parameters,
+# gradients and moments: 3-4x the foreach ops on CPU). A traced program holds its
+# functional form, ``_fused_adamw``, whose DTensor strategy is broken in torch 2.13 (it
+# expects one list of outputs and gets five). The kernel is elementwise per parameter,
+# so the expander runs it itself: element i's operands (gradient, moments) are laid
+# out as its parameter is (after the mode's policy reduced the pending gradients:
+# an all-reduce, or a reduce-scatter onto the parameter's shards), the kernel runs on
+# the local shards, and each result takes its parameter's placements.
+_ELEMENTWISE_LISTS = {_torch.FUSED_ADAMW}
+
+
+def _elementwise_lists(ex: Expander, target, args, kwargs):
+    params = args[0]
+    laid = []
+    for a in args:
+        if isinstance(a, (list, tuple)) and len(a) == len(params) and a is not params:
+            a = [ex.redistribute(x, p.placements if x.ndim else reduced(x.placements))
+                 if isinstance(x, torch.Tensor) else x      # scalars (the step) replicated
+                 for x, p in zip(a, params)]
+        laid.append(a)
+
+    def local(a):
+        if isinstance(a, DTensor):
+            return _torch.local_tensor(a)
+        if isinstance(a, (list, tuple)):
+            return [local(x) for x in a]
+        return a
+
+    outs = target(*[local(a) for a in laid], **{k: local(v) for k, v in kwargs.items()})
+    dm = ex.mesh.device_mesh
+    return tuple(
+        [_torch.make_dtensor(o, _torch.build_dtensor_spec(dm, p.placements, p.shape, p.stride(), o.dtype))
+         for o, p in zip(out, params)]
+        for out in outs)
 
 
 # -- placement helpers ------------------------------------------------------------------------

@@ -26,7 +26,8 @@ batch" (a state shard is a Shard too). The policy keeps them honest:
   travel]). Where it must be reduced, it becomes the layout its consumer computes
   in: the state layout when it meets state of its shape (``"shard"``: a
   reduce-scatter, the optimizer runs on shards), else replicated (an all-reduce).
-  A pending sum read by several ops (a gradient read twice by AdamW) is reduced once,
+  A pending sum read by several ops (a gradient read twice by a foreach AdamW), or
+  only by ops that would reduce it anyway (the fused AdamW kernel), is reduced once,
   where it is produced, to the state layout of its shape: that puts every gradient
   reduction in backward order, where the passes bucket and overlap them.
 - Outputs without an out_spec: batch values stay split, everything else takes the
@@ -45,7 +46,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from sharded import _torch
 from sharded.modes._expand import RNG_OP, SPECIAL_OPS, LayoutPolicy, expand
 from sharded.modes.base import ParallelMode, Partitioned
-from sharded.modes.dtensor_expand import _ADDITIVE, _LINEAR_IN_PARTIAL
+from sharded.modes.dtensor_expand import _ADDITIVE, _LINEAR_IN_PARTIAL, reduce_where_produced
 from sharded.passes import (DEFAULT_BUCKET_BYTES, bucket_all_gathers, bucket_all_reduces,
                             bucket_reduce_scatters, cse, dce, hoist_reductions, prefetch_all_gathers,
                             reinplace_foreach, remove_identity_views, remove_trivial_collectives,
@@ -228,7 +229,7 @@ class _DataParallelPolicy(LayoutPolicy):
             if source is not None:
                 batch_args[id(_torch.local_tensor(a))] = (source, a)
             elif batch_vals and isinstance(self._dp(a), Shard):
-                a = self._with_dp(ex, a, Replicate())      # gather state before use
+                a = self._gather(ex, a)                    # gather state before use
             return a
 
         args, kwargs = _map_tensors(fix, (args, kwargs))
@@ -252,7 +253,7 @@ class _DataParallelPolicy(LayoutPolicy):
         self._reads_batch = False
         if reads and any(isinstance(self._dp(v), Shard) for v in _tensors(result) if isinstance(v, DTensor)):
             self.batch.add(node)
-        if len(node.users) > 1 and isinstance(result, DTensor) and _has_partial(result):
+        if isinstance(result, DTensor) and _has_partial(result) and reduce_where_produced(node):
             # reduced once, where produced (NOTE [Batch-dim analysis])
             target = self._state_dp(result)
             return self._reduce(ex, result, target)
@@ -287,6 +288,16 @@ class _DataParallelPolicy(LayoutPolicy):
         pls = list(a.placements)
         pls[self.dp] = placement
         return ex.redistribute(a, pls)
+
+    def _gather(self, ex, a):
+        """``a`` replicated over the axis. A split of dim d > 0 (the view ``w.t()`` of a
+        parameter shard) is gathered as dim 0 of ``a.movedim(d, 0)``: one all-gather
+        and two views, where DTensor's own gather of dim d cuts the result into one
+        piece per rank and concatenates them (a 128-way axis: 128 slices to trace)."""
+        d = self._dp(a).dim
+        if d == 0:
+            return self._with_dp(ex, a, Replicate())
+        return self._with_dp(ex, a.movedim(d, 0), Replicate()).movedim(0, d)
 
     def _check_batch_kept(self, node, target, args, kwargs, batch_args):
         """Error if DTensor's plan for the op moves a batch input off its split."""

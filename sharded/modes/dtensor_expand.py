@@ -25,8 +25,12 @@ aten = torch.ops.aten
 # reduction applies the ids mask, valid only on the embedding's own output.
 # A partial value read by more than one op is reduced once, where it is produced:
 # otherwise each consumer reduces its own derived copy (AdamW reads a gradient twice,
-# which cost two all-reduces per parameter), and the gradient reductions, all
-# produced in the backward pass and read in the update, could not be bucketed.
+# which cost two all-reduces per parameter). So is one whose only readers are ops
+# that would reduce it anyway (not linear in it): reduced where it is produced, a
+# gradient's reduction sits in backward order, where the passes bucket it and the rest
+# of the backward overlaps it, instead of queuing up before the optimizer (a fused
+# optimizer kernel reads each gradient once). Ops the expander handles itself (layout
+# constraints) are left to reduce it their way (a reduce-scatter to a split layout).
 _LINEAR_IN_PARTIAL = {
     aten.view, aten._unsafe_view, aten.reshape, aten.t, aten.transpose, aten.permute,
     aten.unsqueeze, aten.squeeze, aten.expand, aten.clone, aten.alias, aten.detach,
@@ -84,9 +88,23 @@ class PendingSumPolicy(LayoutPolicy):
                 {k: reduce_pending(ex, v) for k, v in kwargs.items()})
 
     def after_node(self, ex, node, result):
-        if len(node.users) > 1 and isinstance(result, DTensor):
+        if isinstance(result, DTensor) and reduce_where_produced(node):
             return reduce_pending(ex, result)
         return result
+
+
+def reduce_where_produced(node) -> bool:
+    """Should a pending sum made by ``node`` be reduced at once (NOTE [Where a pending
+    reduction may travel])? Yes when several ops read it, or when every reader is an
+    op that would reduce it anyway."""
+    from sharded.modes._expand import SPECIAL_OPS
+
+    if len(node.users) > 1:
+        return True
+    return bool(node.users) and all(
+        u.op == "call_function" and isinstance(u.target, _torch.OpOverload)
+        and u.target not in SPECIAL_OPS and u.target.overloadpacket not in _LINEAR_IN_PARTIAL
+        for u in node.users)
 
 
 def reduce_pending(ex, a):

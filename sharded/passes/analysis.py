@@ -76,16 +76,20 @@ _WIRE = {
 }
 
 
-def cost(gm: fx.GraphModule, mesh=None) -> dict:
-    """Collectives of a local graph by kind: ``{"all_reduce": {"count": 2, "bytes": 512,
-    "wire_bytes": 256}, ..., "total": {...}}``, per call of the program on this rank.
-    ``bytes`` is the larger of each collective's input and output (the full tensor of
-    an all-gather or reduce-scatter); ``wire_bytes`` what the rank sends with ring
-    algorithms (an all-reduce of B bytes over n ranks sends 2 (n - 1) / n * B)."""
+def cost(gm: fx.GraphModule, mesh=None, by: str = "kind") -> dict:
+    """Collectives of a local graph by kind (or by mesh axis, ``by="axis"``):
+    ``{"all_reduce": {"count": 2, "bytes": 512, "wire_bytes": 256}, ..., "total":
+    {...}}``, per call of the program on this rank. ``bytes`` is the larger of each
+    collective's input and output (the full tensor of an all-gather or
+    reduce-scatter); ``wire_bytes`` what the rank sends with ring algorithms (an
+    all-reduce of B bytes over n ranks sends 2 (n - 1) / n * B)."""
+    if by not in ("kind", "axis"):
+        raise ValueError(f"cost: by must be 'kind' or 'axis'; got {by!r}.")
     table: dict[str, dict[str, int]] = {}
     total = {"count": 0, "bytes": 0, "wire_bytes": 0}
     for c in collectives(gm, mesh):
-        row = table.setdefault(c.kind, {"count": 0, "bytes": 0, "wire_bytes": 0})
+        key = c.kind if by == "kind" else (c.axis if isinstance(c.axis, str) else str(c.axis))
+        row = table.setdefault(key, {"count": 0, "bytes": 0, "wire_bytes": 0})
         row["count"] += 1
         row["bytes"] += c.bytes
         row["wire_bytes"] += c.wire_bytes

@@ -100,10 +100,10 @@ def reinplace_foreach(gm: fx.GraphModule) -> fx.GraphModule:
         return key is not None and key not in protected and last_use(x) <= pos[n]
 
     for n in nodes:
-        pos = {m: i for i, m in enumerate(g.nodes)}
         pointwise = _inplace_pointwise(n)
         if pointwise is not None:
-            _reinplace_pointwise(g, n, pointwise, donated, by_storage, writable, retarget)
+            if _reinplace_pointwise(g, n, pointwise, donated, by_storage, writable, retarget):
+                pos = {m: i for i, m in enumerate(g.nodes)}    # after a rewrite only
             continue
         inplace = _inplace_foreach(n)
         if inplace is None:
@@ -135,27 +135,28 @@ def reinplace_foreach(gm: fx.GraphModule) -> fx.GraphModule:
                 lst = g.call_function(_identity_list, (list(xs), new))
             n.replace_all_uses_with(lst)
         g.erase_node(n)
+        pos = {m: i for i, m in enumerate(g.nodes)}    # after a rewrite only
     return gm
 
 
 def _reinplace_pointwise(g: fx.Graph, n: fx.Node, inplace, donated: set, by_storage: dict,
-                         writable, retarget) -> None:
+                         writable, retarget) -> bool:
     """``op(x, ...)`` -> ``op_(x, ...)`` where ``x`` lives in a donated storage that
     nothing reads afterwards (NOTE [Writing into donated inputs])."""
     x = n.args[0] if n.args else None
     if not isinstance(x, fx.Node):
-        return
+        return False
     xv, out = x.meta.get("val"), n.meta.get("val")
     if not (isinstance(xv, torch.Tensor) and isinstance(out, torch.Tensor)):
-        return
+        return False
     key = _storage(xv)
     if key not in donated or not writable(x, n):
-        return
+        return False
     if xv.shape != out.shape or xv.dtype != out.dtype or xv.stride() != out.stride():
-        return
+        return False
     others = [a for a in n.all_input_nodes if a is not x]
     if any(_storage(a.meta.get("val")) == key for a in others):
-        return            # another operand aliases the storage: leave it functional
+        return False      # another operand aliases the storage: leave it functional
     with g.inserting_before(n):
         new = g.call_function(inplace, n.args, n.kwargs)
     new.meta["val"] = xv
@@ -163,6 +164,7 @@ def _reinplace_pointwise(g: fx.Graph, n: fx.Node, inplace, donated: set, by_stor
     g.erase_node(n)
     by_storage[key].append(new)
     retarget(out, xv)
+    return True
 
 
 def _rebased(v, old_key, old: torch.Tensor, new: torch.Tensor):

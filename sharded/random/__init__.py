@@ -18,6 +18,8 @@ resumed run draws what it would have drawn.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from sharded.random import philox
@@ -25,7 +27,7 @@ from sharded.random.philox import *  # noqa: F401,F403
 
 __all__ = ["manual_seed", "get_rng_state", "set_rng_state", "philox"] + list(philox.__all__)
 
-_STATE = {"seed": None, "offset": 0}
+_STATE: dict[str, Any] = {"seed": None, "offset": 0}
 
 
 def manual_seed(seed: int) -> None:

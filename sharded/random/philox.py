@@ -76,7 +76,8 @@ def _philox(c0, c1, c2, c3, k0, k1, rounds: int = 10):
 def philox4x32(counter: Tensor, key: Tensor, rounds: int = 10) -> Tensor:
     """Random123 ``philox4x32_R``: int64 ``counter[..., 4]`` and ``key[..., 2]``
     holding uint32 values -> int64 ``[..., 4]`` of uint32 values."""
-    out = _philox(*counter.unbind(-1), *key.unbind(-1), rounds=rounds)
+    c, k = counter.unbind(-1), key.unbind(-1)
+    out = _philox(c[0], c[1], c[2], c[3], k[0], k[1], rounds)
     return torch.stack(torch.broadcast_tensors(*out), -1)
 
 

@@ -1,0 +1,379 @@
+"""Train a small GPT on local CPU ranks: FSDP x tensor parallelism, checkpoints, resume.
+
+    pip install -e '.[examples]'                            # tqdm and matplotlib
+    python examples/gpt_train.py                            # 4 local ranks, mesh ("dp"=2, "tp"=2)
+    python examples/gpt_train.py --resume --dp 4 --tp 1     # continue on a 1-D mesh of 4
+    torchrun --nproc-per-node 4 examples/gpt_train.py       # the same under torchrun
+
+The model is the plain ``nn.Module`` GPT of ``examples/gpt_module.py`` with dropout on.
+Its tensor-parallel plan (torchtitan's sequence-parallel Llama plan by default, or
+Megatron) lays the parameters out over mesh axis "tp"; ``DataParallelMode("shard")``
+over "dp" splits the batch and shards parameters, gradients and AdamW moments again
+over "dp" (FSDP x TP). The whole step, forward, backward with dropout, and AdamW, is
+one pjit program per rank.
+
+Every ``--ckpt-every`` steps the parameters, the optimizer state, the step and the
+random-number state go to ``<run-dir>/checkpoint`` (``sharded.checkpoint``: each rank
+writes its own shards; the previous checkpoint stays loadable until the new one is
+complete). ``--resume`` continues from it on whatever mesh this run has: the
+checkpoint is resharded on load, and dropout draws the same numbers on any mesh, so
+the loss goes on as if the run had never stopped. The data is a function of the step
+(a synthetic language from a fixed random Markov chain), so it needs no loader state.
+
+Rank 0 shows a progress bar (loss, tokens/s), keeps ``<run-dir>/metrics.csv``, and at
+the end draws ``<run-dir>/loss.png``: the run's loss next to the single-device loss
+(the same program, pjit on one process, computed once and cached) and the entropy
+of the data, the lowest loss any model can reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from examples import gpt_module as gm  # noqa: E402
+from sharded import Mesh, P, checkpoint, gather, optim  # noqa: E402
+from sharded import random as srandom  # noqa: E402
+from sharded.modes import DataParallelMode  # noqa: E402
+from sharded.plans import parallelize  # noqa: E402
+from transforms import pjit  # noqa: E402
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides the numbers of a run (a resumed run must match it)."""
+
+    model: gm.Config = field(default_factory=lambda: gm.Config(
+        vocab=64, d_model=64, n_heads=4, n_layers=2, seq=32, dropout=0.1))
+    batch_size: int = 16
+    lr: float = 3e-3
+    seed: int = 0
+    branching: int = 4       # next-token choices per token in the synthetic language
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        return {**{f"model.{k}": v for k, v in d.pop("model").items()}, **d}
+
+
+# -- data: a synthetic language ------------------------------------------------------
+
+def markov_chain(tc: TrainConfig):
+    """A fixed random Markov chain over the vocabulary: each token has ``branching``
+    possible successors with fixed probabilities. Returns (successors [V, k],
+    probabilities [V, k], the chain's entropy rate in nats)."""
+    g = torch.Generator().manual_seed(1000 + tc.seed)
+    v, k = tc.model.vocab, tc.branching
+    succ = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(v)])
+    probs = torch.softmax(1.5 * torch.randn(v, k, generator=g), dim=-1)
+    # Entropy rate: per-token entropy weighted by the stationary distribution.
+    trans = torch.zeros(v, v, dtype=torch.float64)
+    trans.scatter_(1, succ, probs.double())
+    pi = torch.full((v,), 1.0 / v, dtype=torch.float64)
+    for _ in range(500):
+        pi = pi @ trans
+    h = -(probs.double() * probs.double().log()).sum(-1)
+    return succ, probs, float((pi * h).sum())
+
+
+def batch(tc: TrainConfig, step: int, chain=None):
+    """The batch of step ``step``: token ids and next-token targets, [batch, seq]
+    each, the same on every rank and in every run."""
+    succ, probs, _ = chain or markov_chain(tc)
+    g = torch.Generator().manual_seed(tc.seed * 1_000_003 + step)
+    b, s = tc.batch_size, tc.model.seq
+    toks = torch.empty(b, s + 1, dtype=torch.long)
+    toks[:, 0] = torch.randint(0, tc.model.vocab, (b,), generator=g)
+    for i in range(s):
+        pick = torch.multinomial(probs[toks[:, i]], 1, generator=g)[:, 0]
+        toks[:, i + 1] = succ[toks[:, i], pick]
+    return toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
+
+
+# -- the program -----------------------------------------------------------------------
+
+def make_mesh(dp: int, tp: int) -> Mesh:
+    """A mesh with the axes of size > 1: ("dp", "tp"), ("dp",) or ("tp",); one process
+    gets ("dp",) of size 1."""
+    axes = [(n, s) for n, s in (("dp", dp), ("tp", tp)) if s > 1] or [("dp", 1)]
+    return Mesh(tuple(s for _, s in axes), tuple(n for n, _ in axes))
+
+
+class Trainer:
+    """The training state of one rank and the pjit programs that advance it.
+
+    The parameter layout comes from the mesh: the plan's specs over "tp" (if the mesh
+    has it) and ``DataParallelMode(dp_sharding)`` over "dp" (if it has it). Parameters
+    and optimizer state are created by a pjit program under the same mode, so they
+    are born in the layout the train step keeps them in.
+    """
+
+    def __init__(self, mesh: Mesh, tc: TrainConfig, *, plan: str = "sp",
+                 dp_sharding: str = "shard"):
+        self.mesh, self.tc = mesh, tc
+        self.chain = markov_chain(tc)
+        model = gm.GPT(tc.model, seed=tc.seed)
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        if "tp" in mesh.axis_names:
+            specs = parallelize(model, gm.PLANS[plan](), mesh, axis="tp")
+        else:
+            specs = {k: P() for k in params}
+        opt_specs = {"step": P(), "m": specs, "v": specs}
+        has_dp = "dp" in mesh.axis_names
+        mode = DataParallelMode(dp_sharding) if has_dp else None
+        data = P("dp") if has_dp else P()
+        # Without the data-parallel mode, out_specs keep the layout; with it, the mode
+        # gives the state its layout over "dp" (out_specs would override that).
+        out = {} if has_dp else {"out_specs": (specs, opt_specs, P())}
+        init_out = {} if has_dp else {"out_specs": (specs, opt_specs)}
+        self._init = pjit(_init_state, in_specs=(specs,), mesh=mesh, mode=mode, **init_out)
+        train_step = gm.make_train_step(model, functools.partial(optim.adamw, lr=tc.lr))
+        self._step = pjit(train_step, in_specs=(specs, opt_specs, data, data), mesh=mesh,
+                          mode=mode, **out)
+        self.params, self.opt = self._init(params)
+        self.step = 0
+        srandom.manual_seed(tc.seed)
+
+    def train_step(self) -> float:
+        """One step on the batch of ``self.step``; returns the loss."""
+        ids, targets = batch(self.tc, self.step, self.chain)
+        self.params, self.opt, loss = self._step(self.params, self.opt, ids, targets)
+        self.step += 1
+        return float(gather(loss))
+
+    def state(self) -> dict:
+        return {"params": self.params, "opt": self.opt, "step": self.step,
+                "rng": srandom.get_rng_state(), "config": self.tc.as_dict()}
+
+    def save(self, path: str, *, async_save: bool = False):
+        return checkpoint.save(path, self.state(), async_save=async_save)
+
+    def restore(self, path: str) -> None:
+        """Continue from the checkpoint at ``path``, resharded onto this mesh."""
+        mine = self.tc.as_dict()
+        saved = checkpoint.load(path, {"config": mine}, strict=False)["config"]
+        diff = {k: (v, mine[k]) for k, v in saved.items() if mine[k] != v}
+        if diff:
+            raise SystemExit(
+                f"the checkpoint at {path} was trained with another configuration "
+                f"(saved, this run): {diff}; resume with the same model and data flags.")
+        state = checkpoint.load(path, self.state())
+        self.params, self.opt, self.step = state["params"], state["opt"], state["step"]
+        srandom.set_rng_state(state["rng"])
+
+
+def _init_state(params):
+    return params, optim.adamw_init(params)
+
+
+# -- the run ---------------------------------------------------------------------------
+
+def train(args, tc: TrainConfig) -> tuple[int, list]:
+    """Train on this rank to ``args.steps``; returns the first step and, on rank 0,
+    [(step, loss, tokens/s, mesh)] for each step run."""
+    mesh = make_mesh(args.dp, args.tp)
+    rank0 = mesh.rank == 0
+    t0 = time.perf_counter()
+    trainer = Trainer(mesh, tc, plan=args.plan, dp_sharding=args.dp_sharding)
+    ckpt = os.path.join(args.run_dir, "checkpoint")
+    if args.resume:
+        if not checkpoint.exists(ckpt):
+            raise SystemExit(f"--resume: no checkpoint at {ckpt}; run without --resume first.")
+        trainer.restore(ckpt)
+    mesh_text = ",".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.shape))
+    if rank0:
+        what = f"resumed at step {trainer.step}" if args.resume else "started"
+        how = []
+        if "tp" in mesh.axis_names:
+            how.append(f"{args.plan} plan over 'tp'")
+        if "dp" in mesh.axis_names and mesh.size("dp") > 1:
+            how.append(f"DataParallelMode({args.dp_sharding!r}) over 'dp'")
+        print(f"mesh {mesh_text} ({', '.join(how) or 'one process'}): {what}", flush=True)
+    start = trainer.step
+    bar = _progress(rank0, trainer.step, args.steps)
+    rows, tokens = [], tc.batch_size * tc.model.seq
+    last = time.perf_counter()
+    while trainer.step < args.steps:
+        loss = trainer.train_step()
+        now = time.perf_counter()
+        step_s, last = now - last, now
+        rows.append((trainer.step - 1, loss, tokens / step_s, mesh_text))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / step_s:,.0f}")
+        if trainer.step % args.ckpt_every == 0 or trainer.step == args.steps:
+            trainer.save(ckpt, async_save=args.async_ckpt)
+    checkpoint.wait()
+    if bar is not None:
+        bar.close()
+    if rank0:
+        print(f"{len(rows)} steps in {time.perf_counter() - t0:.1f} s (compile included); "
+              f"checkpoint at step {trainer.step}: {ckpt}", flush=True)
+    return start, (rows if rank0 else [])
+
+
+def _progress(show: bool, start: int, total: int):
+    if not show:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print("(pip install -e '.[examples]' for a progress bar)")
+        return None
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def reference(args, tc: TrainConfig) -> list:
+    """Single-device losses for steps 0 .. args.steps - 1: the same program, pjit on
+    one process (the same dropout numbers), run in a process of its own."""
+    trainer = Trainer(make_mesh(1, 1), tc)
+    return [trainer.train_step() for _ in range(args.steps)]
+
+
+def update_metrics(run_dir: str, start: int, rows: list) -> list:
+    """metrics.csv: the rows of the steps before ``start`` (from the runs this one
+    resumed), then this run's."""
+    path = os.path.join(run_dir, "metrics.csv")
+    old = []
+    if start > 0 and os.path.exists(path):
+        with open(path) as f:
+            old = [(int(r["step"]), float(r["loss"]), float(r["tokens_per_s"]), r["mesh"])
+                   for r in csv.DictReader(f) if int(r["step"]) < start]
+    allrows = old + rows
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "loss", "tokens_per_s", "mesh"])
+        w.writerows(allrows)
+    return allrows
+
+
+def cached_reference(args, tc: TrainConfig) -> list:
+    from sharded import launch
+
+    path = os.path.join(args.run_dir, "reference.json")
+    key = json.dumps(tc.as_dict(), sort_keys=True)
+    if os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("config") == key and len(saved["losses"]) >= args.steps:
+            return saved["losses"][: args.steps]
+    print(f"single-device reference: {args.steps} steps on one process ...", flush=True)
+    # Under torchrun this process still has torchrun's variables; the new process must
+    # not join torchrun's rendezvous (TORCHELASTIC_USE_AGENT_STORE) but start its own.
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("TORCHELASTIC_")}
+    try:
+        losses = launch(reference, 1, args, tc)[0]
+    finally:
+        os.environ.update(saved)
+    with open(path, "w") as f:
+        json.dump({"config": key, "losses": losses}, f)
+    return losses
+
+
+def plot(run_dir: str, rows: list, ref: list | None, entropy: float) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(pip install -e '.[examples]' for the loss-curve PNG)")
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    segments: list = []
+    for step, loss, _, mesh in rows:
+        if not segments or segments[-1][0] != mesh or step != segments[-1][1][-1] + 1:
+            segments.append((mesh, [], []))
+        segments[-1][1].append(step)
+        segments[-1][2].append(loss)
+    for i, (mesh, steps, losses) in enumerate(segments):
+        ax.plot(steps, losses, lw=2, alpha=0.8, label=f"pjit, mesh {mesh}")
+        if i:
+            ax.axvline(steps[0] - 0.5, color="gray", ls=":", lw=1)
+            ax.annotate("resumed", (steps[0], max(losses)), fontsize=8, color="gray")
+    if ref is not None:
+        ax.plot(range(len(ref)), ref, "k--", lw=1, label="single device")
+    ax.axhline(entropy, color="tab:green", ls=":", lw=1, label=f"data entropy ({entropy:.2f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title("GPT with dropout under pjit, checkpointed and resumed, vs one device")
+    ax.legend()
+    fig.tight_layout()
+    out = os.path.join(run_dir, "loss.png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def report(args, tc: TrainConfig, start: int, rows: list) -> None:
+    """Rank 0 / the launcher: metrics, the reference comparison and the plot."""
+    allrows = update_metrics(args.run_dir, start, rows)
+    if not allrows:
+        return
+    ref = None if args.no_reference else cached_reference(args, tc)
+    if ref is not None:
+        diffs = [abs(loss - ref[s]) for s, loss, _, _ in allrows if s < len(ref)] or [0.0]
+        print(f"max |pjit - single device| loss difference over {len(diffs)} steps: "
+              f"{max(diffs):.2e}")
+    png = plot(args.run_dir, allrows, ref, markov_chain(tc)[2])
+    last = allrows[-1]
+    print(f"final loss {last[1]:.4f} at step {last[0]} (data entropy "
+          f"{markov_chain(tc)[2]:.4f}); metrics: {os.path.join(args.run_dir, 'metrics.csv')}"
+          + (f"; plot: {png}" if png else ""))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dp", type=int, default=2, help="ranks along the data-parallel axis")
+    ap.add_argument("--tp", type=int, default=2, help="ranks along the tensor-parallel axis")
+    ap.add_argument("--plan", choices=sorted(gm.PLANS), default="sp")
+    ap.add_argument("--dp-sharding", choices=("shard", "replicate"), default="shard",
+                    help="FSDP-like (shard) or DDP-like (replicate) over 'dp'")
+    ap.add_argument("--steps", type=int, default=200, help="train until this step")
+    ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--async-ckpt", action="store_true", help="write checkpoints in the background")
+    ap.add_argument("--run-dir", default="runs/gpt_train")
+    ap.add_argument("--resume", action="store_true", help="continue from <run-dir>/checkpoint")
+    ap.add_argument("--no-reference", action="store_true", help="skip the single-device run")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=64)
+    args = ap.parse_args(argv)
+    tc = TrainConfig(
+        model=gm.Config(vocab=args.vocab, d_model=args.d_model, n_heads=args.heads,
+                        n_layers=args.layers, seq=args.seq, dropout=args.dropout),
+        batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    return args, tc
+
+
+def main(argv=None) -> None:
+    args, tc = parse_args(argv)
+    os.makedirs(args.run_dir, exist_ok=True)
+    if "RANK" in os.environ:           # under torchrun: this process is one rank
+        start, rows = train(args, tc)
+        if int(os.environ["RANK"]) == 0:
+            report(args, tc, start, rows)
+    else:                              # laptop path: start dp * tp local CPU ranks
+        from sharded import launch
+
+        start, rows = launch(train, args.dp * args.tp, args, tc)[0]
+        report(args, tc, start, rows)
+
+
+if __name__ == "__main__":
+    main()
