@@ -151,6 +151,11 @@ def _dropout_loss(p, x, y):
     return F.cross_entropy(F.linear(h, p["w2"], p["b2"]), y)
 
 
+def _second_order_autograd(f, mesh, leaves, x, y):
+    (g,) = torch.autograd.grad(f(leaves, x, y), [leaves["b1"]], create_graph=True)
+    (g * shard(torch.arange(16.0), P(), mesh)).sum().backward()
+
+
 def _func_transforms(ws):
     mesh = Mesh((ws,), ("dp",))
     params = init(0, MLP_SHAPES)
@@ -206,9 +211,13 @@ def _func_transforms(ws):
     errors = {}
     for name, call in {
         "vmap": lambda: torch.func.vmap(lambda xx: f(params, xx, y))(torch.stack([x, x])),
+        # (a weighted sum: the plain sum of d loss / d b2 is identically zero, so a
+        # silently zero second derivative would pass for the right one)
         "second_order": lambda: torch.func.grad(
-            lambda b: torch.func.grad(lambda p: f(p, x, y))({**params, "b2": b})["b2"].sum()
-        )(params["b2"]),
+            lambda w: (torch.func.grad(lambda p: f(p, x, y))({**params, "w1": w})["b1"]
+                       * torch.arange(16.0)).sum()
+        )(params["w1"]),
+        "create_graph": lambda: _second_order_autograd(f, mesh, _leaves(params, P(), mesh), x, y),
         "jvp": lambda: torch.func.jvp(lambda b: f({**params, "b2": b}, x, y), (params["b2"],),
                                       (torch.ones(4),)),
     }.items():
@@ -254,8 +263,10 @@ def test_torch_func_transforms(on_ranks, ws):
     for errors in on_ranks(ws, _func_transforms, ws):
         kind, msg = errors["vmap"]
         assert kind == "TypeError" and "was called inside torch.func.vmap" in msg, msg
-        kind, msg = errors["second_order"]
-        assert kind == "NotImplementedError" and "higher-order gradients" in msg, msg
+        for case in ("second_order", "create_graph"):    # never a silent zero
+            assert errors[case] is not None, case
+            kind, msg = errors[case]
+            assert kind == "NotImplementedError" and "higher-order gradients" in msg, msg
         kind, msg = errors["jvp"]
         assert kind == "NotImplementedError" and "forward-mode" in msg, msg
 

@@ -151,7 +151,11 @@ class PjitFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         nondiff = [o for o, d in zip(output[:n], entry.diff_out) if not d]
         ctx.mark_non_differentiable(*nondiff, *output[n:])
-        ctx.save_for_backward(*output[n:])
+        # NOTE [Differentiating the backward]: the inputs that get a gradient are
+        # saved too, as anchors of the backward
+        anchors = [inputs[1 + i] for i in entry.grad_in]
+        ctx.n_residuals = len(output) - n
+        ctx.save_for_backward(*output[n:], *anchors)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -164,7 +168,10 @@ class PjitFunction(torch.autograd.Function):
             return tuple(out)
         if all(g is None for g in cotangents):
             return tuple(out)
-        grads_in = BackwardFunction.apply(call, len(ctx.saved_tensors), *ctx.saved_tensors, *cotangents)
+        saved = ctx.saved_tensors
+        k = ctx.n_residuals
+        grads_in = BackwardFunction.apply(call, k, len(cotangents), *saved[:k], *cotangents,
+                                          *saved[k:])
         for i, g in zip(entry.grad_in, grads_in):
             out[1 + i] = g
         return tuple(out)
@@ -178,13 +185,25 @@ class PjitFunction(torch.autograd.Function):
         raise NotImplementedError(_JVP.format(name=ctx.call.entry.name))
 
 
+# NOTE [Differentiating the backward]
+# The backward program is first order: its residuals leave the forward marked
+# non-differentiable, so autograd would see the gradients it returns as constants of
+# the inputs and a second derivative taken through them would be silently zero
+# (torch.func.grad of torch.func.grad, or torch.autograd.grad with create_graph=True
+# followed by a backward through the gradients). So ``BackwardFunction`` also takes
+# the inputs that get a gradient (saved by ``PjitFunction``) as anchors it does not
+# read: when the differentiation is nested, its outputs depend on them for autograd,
+# and differentiating them reaches ``BackwardFunction.backward``, which raises.
+
+
 class BackwardFunction(torch.autograd.Function):
     """The backward program as an autograd.Function: a vmap rule (``jacrev``) and a
-    clear error when it is differentiated again."""
+    clear error when it is differentiated again (NOTE [Differentiating the backward])."""
 
     @staticmethod
-    def forward(call: Call, n_saved: int, *tensors):
-        return tuple(_run_backward(call, list(tensors[:n_saved]), list(tensors[n_saved:])))
+    def forward(call: Call, n_res: int, n_cot: int, *tensors):
+        return tuple(_run_backward(call, list(tensors[:n_res]),
+                                   list(tensors[n_res:n_res + n_cot])))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -195,14 +214,14 @@ class BackwardFunction(torch.autograd.Function):
         raise NotImplementedError(_HIGHER_ORDER.format(name=ctx.name))
 
     @staticmethod
-    def vmap(info, in_dims, call, n_saved, *tensors):
+    def vmap(info, in_dims, call, n_res, n_cot, *tensors):
         # jacrev: vmap over the cotangents. The program is per example; run it once
         # per element of the batch.
-        dims = in_dims[2:]
+        dims = in_dims[3:]
         results = []
         for b in range(info.batch_size):
             args = [t if d is None else t.select(d, b) for t, d in zip(tensors, dims)]
-            results.append(BackwardFunction.apply(call, n_saved, *args))
+            results.append(BackwardFunction.apply(call, n_res, n_cot, *args))
         stacked = tuple(torch.stack([r[k] for r in results]) for k in range(len(results[0])))
         return stacked, (0,) * len(stacked)
 
@@ -229,12 +248,13 @@ def _gradients(call: Call, residuals: list, cotangents: list) -> list:
     dm = bw.mesh.device_mesh
     grads = []
     for i, local, spec in zip(entry.grad_in, locals_, bw.grad_specs):
-        g = _torch.make_dtensor(local, spec)
+        dt = _torch.make_dtensor(local, spec)
         src = call.sources[i]
+        g: torch.Tensor = dt
         if src is None:                          # a plain input: the full gradient
-            g = g.full_tensor() if any(not isinstance(p, Replicate) for p in spec.placements) \
+            g = dt.full_tensor() if any(not isinstance(p, Replicate) for p in spec.placements) \
                 else local
         elif src != tuple(spec.placements):
-            g = g.redistribute(dm, tuple(Replicate() if _torch.is_partial(p) else p for p in src))
+            g = dt.redistribute(dm, tuple(Replicate() if _torch.is_partial(p) else p for p in src))
         grads.append(g)
     return grads

@@ -206,8 +206,53 @@ def _finish_joint(gm: fx.GraphModule, info: JointInfo) -> None:
         if n.op == "call_function" and n.target is torch.ops.aten.detach.default:
             n.replace_all_uses_with(n.args[0])
             g.erase_node(n)
+    _views_in_backward(g)
     g.eliminate_dead_code()
     gm.recompile()
+
+
+# NOTE [Views are recomputed in the backward]
+# A forward view (view, reshape, transpose, permute, expand, ...) that the backward
+# reads is computed again in the backward from its base, so that the partitioner
+# saves the base, not the view. A view costs nothing to recompute and shares its
+# base's memory, so nothing is lost; what is won is the layout the residual crosses
+# the forward/backward boundary in. Flattening ``[b, h, s, d]`` sharded over ("dp",
+# "tp") on b and h to ``[b * h, s, d]`` gives a strided layout (DTensor's
+# _StridedShard) that no P expresses, whose shards may differ in size from rank to
+# rank, and that most sharding rules do not take; the base has a plain layout, and
+# the view in the backward propagates as it would in one joint program (the one
+# ``pjit(torch.func.grad(f))`` runs).
+
+_VIEW_OPS = frozenset({
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default, torch.ops.aten.t.default, torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default, torch.ops.aten.expand.default,
+    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+    torch.ops.aten.alias.default,
+})
+
+
+def _views_in_backward(g: fx.Graph) -> None:
+    """NOTE [Views are recomputed in the backward]."""
+    first_bw = next((n for n in g.nodes if n.op == "call_function"
+                     and n.meta.get("sharded_phase") == "backward"), None)
+    if first_bw is None:
+        return
+    copies: dict = {}
+    for n in list(g.nodes):
+        if n is first_bw:
+            break
+        if n.op != "call_function" or n.target not in _VIEW_OPS:
+            continue
+        bw_users = [u for u in n.users if u.op == "call_function"
+                    and u.meta.get("sharded_phase") == "backward"]
+        with g.inserting_before(first_bw):
+            copy = g.node_copy(n, lambda a: copies.get(a, a))
+        copy.meta = dict(n.meta)
+        copy.meta["sharded_phase"] = "backward"
+        copies[n] = copy
+        for u in bw_users:
+            u.replace_input_with(n, copy)
 
 
 def _has_mutations(gm: fx.GraphModule) -> bool:

@@ -15,11 +15,22 @@ class Lowered:
       moved per call on this rank.
     - ``collectives()``: each collective in program order.
     - ``memory()``: this rank's memory while it runs the program (a static estimate).
+    - ``backward``: for a call whose inputs require grad (or under torch.func.grad,
+      vjp, jacrev), the backward program's ``Lowered`` (NOTE [pjit under autograd] in
+      transforms/_autograd.py); None otherwise.
+    - ``donated``: ``{donated input path: output path that shares its storage, or
+      None}`` (NOTE [Donation] in transforms/pjit.py); empty without donation.
     """
+
+    backward: "Lowered | None"
+    donated: dict[str, str | None]
 
     def __init__(self, compiled, name: str):
         self._c = compiled
         self.name = name
+        backward = getattr(compiled, "backward", None)
+        self.backward = Lowered(backward, f"{name} backward") if backward is not None else None
+        self.donated = dict(getattr(compiled, "reused", {}))
         self.global_graph = compiled.global_graph
         self.local_graph = compiled.local_graph
         self.mesh = compiled.mesh

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from sharded import _torch, _tree, random as srandom, sync
 from sharded.mesh import Mesh, current_mesh
@@ -359,10 +359,7 @@ class Pjit:
         backward program's ``Lowered``."""
         sig = self._signature(args, kwargs, current_mesh(self.mesh, self.name))
         entry = self._lookup(sig) or self._compile(sig, args)
-        low = Lowered(entry, self.name)
-        low.backward = Lowered(entry.backward, f"{self.name} backward") if entry.backward else None
-        low.donated = dict(entry.reused)
-        return low
+        return Lowered(entry, self.name)
 
     # -- Checks and cache key ------------------------------------------------
     def _signature(self, args, kwargs, mesh) -> _Signature:
@@ -389,7 +386,8 @@ class Pjit:
                     _check_leaf(x, functools.partial(_dyn_path, args, nums, dyn_kw, j), self.name)
                 leaf_keys.append(("static", type(x), x))   # 1, 1.0 and True are distinct
         ambient = _ambient()
-        key = (treedef, tuple(leaf_keys), tuple((type(v), v) for v in static), nums, mesh, ambient)
+        key: tuple = (treedef, tuple(leaf_keys), tuple((type(v), v) for v in static), nums, mesh,
+                      ambient)
         if static_kw is not None:     # (the dynamic ones are in the treedef)
             key = key + (("kwargs", tuple((k, type(v), v) for k, v in sorted(static_kw.items()))),)
         grad = None
@@ -595,6 +593,11 @@ class Pjit:
             node.meta["sharded_path"] = path
         part = self.mode.partition(global_gm, in_placements + rng_placements,
                                    out_specs + [None] * n_saved, mesh)
+        if n_saved:
+            res_specs = _plain_residual_specs(part.out_placements[n_out:], out_vals[n_out:], mesh)
+            if res_specs is not None:       # NOTE [Residual layouts]
+                part = self.mode.partition(global_gm, in_placements + rng_placements,
+                                           out_specs + res_specs, mesh)
         donated = self._donated_leaves(args, nums, dyn_kw, sig.leaves)
         donated_local = [tensor_leaf[:j].count(True) for j in donated]
         placeholders = part.graph.graph.find_nodes(op="placeholder")
@@ -820,7 +823,7 @@ def _reused_inputs(gm: fx.GraphModule, donated_local: list[int], in_paths: list[
     the donated inputs whose storage no output reuses."""
     placeholders = gm.graph.find_nodes(op="placeholder")
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    outs = {}
+    outs: dict = {}
     for a, path in zip(out_node.args[0], out_paths):     # (not the residuals after them)
         val = a.meta.get("val") if isinstance(a, fx.Node) else None
         if isinstance(val, torch.Tensor):
@@ -836,6 +839,35 @@ def _reused_inputs(gm: fx.GraphModule, donated_local: list[int], in_paths: list[
             f"them in place (or an output, or the backward, still reads them). They are "
             f"consumed by the call all the same.", stacklevel=4)
     return reused
+
+
+# NOTE [Residual layouts]
+# The forward returns each residual in the layout propagation gives it, so that the
+# backward starts where the forward left off, with no communication in between.
+# A layout no P expresses (DTensor's _StridedShard, from a view that merges two
+# sharded dims) is the exception: its shards may differ in size from rank to rank,
+# which a program traced once for every rank cannot have, and few sharding rules
+# take it. Views are recomputed in the backward (NOTE [Views are recomputed in the
+# backward] in transforms/_trace.py), so a residual rarely has one; if one does, the
+# forward is partitioned again with that residual's strided mesh axes replicated.
+
+
+def _plain_residual_specs(placements: list, vals: list, mesh) -> list | None:
+    """Out specs for the residuals if some residual's layout has no P (NOTE
+    [Residual layouts]): None for each plain one, its layout with the strided mesh
+    axes replicated for the others; None if every layout is plain."""
+    specs: list = []
+    changed = False
+    for pl, v in zip(placements, vals):
+        ndim = v.meta["val"].ndim
+        try:
+            from_placements(pl, mesh, ndim)
+            specs.append(None)
+        except ValueError:
+            plain = tuple(p if type(p) in (Shard, Replicate) else Replicate() for p in pl)
+            specs.append(from_placements(plain, mesh, ndim))
+            changed = True
+    return specs if changed else None
 
 
 def _spec_or_placements(placements, mesh, ndim):
