@@ -100,6 +100,10 @@ def reinplace_foreach(gm: fx.GraphModule) -> fx.GraphModule:
         return key is not None and key not in protected and last_use(x) <= pos[n]
 
     for n in nodes:
+        if n.op == "call_function" and n.target in _FUSED:
+            if _reinplace_fused(g, n, writable, retarget):
+                pos = {m: i for i, m in enumerate(g.nodes)}    # after a rewrite only
+            continue
         pointwise = _inplace_pointwise(n)
         if pointwise is not None:
             if _reinplace_pointwise(g, n, pointwise, donated, by_storage, writable, retarget):
@@ -137,6 +141,66 @@ def reinplace_foreach(gm: fx.GraphModule) -> fx.GraphModule:
         g.erase_node(n)
         pos = {m: i for i, m in enumerate(g.nodes)}    # after a rewrite only
     return gm
+
+
+# NOTE [Fused optimizer kernels in place]
+# ``sharded.optim.adamw`` runs torch's fused AdamW kernel in its functional form,
+# ``_fused_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ...)``,
+# which returns new lists of all five. Its in-place form ``_fused_adamw_`` is what
+# ``torch.optim.AdamW(fused=True)`` runs: it writes params, exp_avgs, exp_avg_sqs,
+# max_exp_avg_sqs (and the gradients only when it unscales them, given a
+# ``grad_scale``). The rewrite takes the same rules as the foreach ops: every tensor
+# it would write is writable (an intermediate or a donated input, no output, nothing
+# reads it after this op), has its result's shape, dtype and strides, and shares no
+# storage with another operand; and nothing reads a result that the in-place form
+# does not produce (the functional form's copy of the gradients). A donated train
+# step then updates its parameters and moments in the donated storage.
+_FUSED = {_torch.FUSED_ADAMW: _torch.FUSED_ADAMW_INPLACE}
+
+
+def _reinplace_fused(g: fx.Graph, n: fx.Node, writable, retarget) -> bool:
+    """NOTE [Fused optimizer kernels in place]."""
+    lists = list(n.args[:5])
+    outs = n.meta.get("val")
+    if len(lists) < 5 or not isinstance(outs, (list, tuple)) or len(outs) != 5:
+        return False
+    if not all(isinstance(a, (list, tuple)) for a in lists):
+        return False
+    written = [0, 2, 3, 4] + ([1] if n.kwargs.get("grad_scale") is not None else [])
+    keys = []
+    for k in written:
+        xs, os_ = lists[k], outs[k]
+        if len(xs) != len(os_):
+            return False
+        for x, o in zip(xs, os_):
+            xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+            if not isinstance(xv, torch.Tensor) or not writable(x, n):
+                return False
+            if xv.shape != o.shape or xv.dtype != o.dtype or xv.stride() != o.stride():
+                return False
+            keys.append(_storage(xv))
+    others = [_storage(a.meta.get("val")) for a in n.all_input_nodes
+              if not any(a in lists[k] for k in written)]
+    if len(set(keys)) != len(keys) or set(keys) & set(others):
+        return False          # aliasing inside the op: leave it functional
+    for u in n.users:
+        if u.target is not operator.getitem or (u.args[1] not in written and u.users):
+            return False      # a result the in-place form does not produce is read
+        if any(v.target is not operator.getitem for v in u.users):
+            return False      # a whole result list is read
+    with g.inserting_before(n):
+        new = g.call_function(_FUSED[n.target], n.args, n.kwargs)
+    new.meta["val"] = None
+    for k in written:
+        for x, o in zip(lists[k], outs[k]):
+            retarget(o, x.meta["val"])
+    for u in list(n.users):
+        for v in list(u.users):
+            v.replace_all_uses_with(lists[u.args[1]][v.args[1]])
+            g.erase_node(v)
+        g.erase_node(u)
+    g.erase_node(n)
+    return True
 
 
 def _reinplace_pointwise(g: fx.Graph, n: fx.Node, inplace, donated: set, by_storage: dict,
