@@ -386,8 +386,10 @@ def c_donate_argnames_unknown():
 def c_donated_read_after_call():
     f = pjit(lambda w: w * 2, in_specs=P("dp"), donate_argnums=0, mesh=_mesh())
     w = shard(_x(), P("dp"), _mesh())
+    ptr = w.to_local().untyped_storage().data_ptr()
     out = f(w)
     _close(gather(out), _x() * 2)
+    assert out.to_local().untyped_storage().data_ptr() == ptr     # computed in w's storage
     return w + 1
 
 
