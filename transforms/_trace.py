@@ -221,7 +221,10 @@ def _finish_joint(gm: fx.GraphModule, info: JointInfo) -> None:
 # _StridedShard) that no P expresses, whose shards may differ in size from rank to
 # rank, and that most sharding rules do not take; the base has a plain layout, and
 # the view in the backward propagates as it would in one joint program (the one
-# ``pjit(torch.func.grad(f))`` runs).
+# ``pjit(torch.func.grad(f))`` runs). Only chains of views of a contiguous value are
+# recomputed: a saved value reaches the backward contiguous, and a view that relied on
+# its base's strides (``view`` of the transpose of SDPA's output, which is laid out
+# [b, s, h, d] in memory) would not apply there.
 
 _VIEW_OPS = frozenset({
     torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
@@ -244,6 +247,11 @@ def _views_in_backward(g: fx.Graph) -> None:
             break
         if n.op != "call_function" or n.target not in _VIEW_OPS:
             continue
+        base = n.args[0]
+        if base not in copies:       # the root of a chain of views: it crosses the boundary
+            val = base.meta.get("val") if isinstance(base, fx.Node) else None
+            if not (isinstance(val, torch.Tensor) and val.is_contiguous()):
+                continue             # (saved values reach the backward contiguous)
         bw_users = [u for u in n.users if u.op == "call_function"
                     and u.meta.get("sharded_phase") == "backward"]
         with g.inserting_before(first_bw):
