@@ -11,6 +11,12 @@ Modes (every one: forward, backward, AdamW):
   pjit_ddp   pjit(step, mode=DataParallelMode("replicate")), batch P("dp")
   fsdp2      fully_shard on every block (GPT) / layer (MLP) and the root + torch.optim.AdamW
   pjit_fsdp  pjit(step, mode=DataParallelMode("shard")), batch P("dp")
+  pjit_loop  the module-style loop: pjit(loss, mode=DataParallelMode("replicate")) on
+             DTensor params that require grad, loss.backward(), torch.optim.AdamW
+             (pjit's forward and backward programs, torch's optimizer), against ddp
+  pjit_ddp_donated, pjit_fsdp_donated
+             pjit_ddp / pjit_fsdp with donate_argnums=(0, 1): parameters and moments
+             updated in the donated storage (peak memory against the undonated rows)
 
 Every rank gets ``cpu_count // world`` intra-op threads (one each on the 2-core
 machine). The modes are warmed up, then timed round-robin (one step of each per
@@ -45,8 +51,12 @@ from benchmarks._models import git_rev  # noqa: E402
 from examples import gpt  # noqa: E402
 from sharded import launch  # noqa: E402
 
-MODES = ("single", "ddp", "pjit_ddp", "fsdp2", "pjit_fsdp")
-RATIOS = (("pjit_ddp", "ddp"), ("pjit_fsdp", "fsdp2"), ("ddp", "single"), ("fsdp2", "single"))
+MODES = ("single", "ddp", "pjit_ddp", "fsdp2", "pjit_fsdp", "pjit_loop", "pjit_ddp_donated",
+         "pjit_fsdp_donated")
+RATIOS = (("pjit_ddp", "ddp"), ("pjit_fsdp", "fsdp2"), ("ddp", "single"), ("fsdp2", "single"),
+          ("pjit_loop", "ddp"), ("pjit_ddp_donated", "pjit_ddp"), ("pjit_fsdp_donated", "pjit_fsdp"))
+MEM_RATIOS = (("pjit_ddp", "ddp"), ("pjit_fsdp", "fsdp2"), ("pjit_loop", "ddp"),
+              ("pjit_ddp_donated", "pjit_ddp"), ("pjit_fsdp_donated", "pjit_fsdp"))
 
 
 def _model(a: dict, name: str):
@@ -58,15 +68,24 @@ def _model(a: dict, name: str):
         params = gpt.init_params(cfg, 0)
         ids, tgt = gpt.batch(cfg, a["batch"], seed=1)
         return dict(params=params, step=lambda p, o, x, y: gpt.train_step(p, o, x, y, cfg),
+                    loss_fn=lambda p, x, y: gpt.loss_fn(p, x, y, cfg),
                     module=lambda: M.GPTBlocks(params, cfg), loss=M.module_loss, batch=(ids, tgt),
                     units=lambda m: list(m.blocks))
     width, layers = a["mlp_width"], a["mlp_layers"]
     params = M.mlp_init(width, layers)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(a["mlp_batch"], width, generator=g), torch.randn(a["mlp_batch"], width, generator=g)
-    return dict(params=params, step=M.mlp_train_step, module=lambda: M.MLPModule(params),
+    return dict(params=params, step=M.mlp_train_step, loss_fn=M.mlp_loss,
+                module=lambda: M.MLPModule(params),
                 loss=lambda m, x, y: torch.nn.functional.mse_loss(m(x), y), batch=(x, y),
                 units=lambda m: list(m.layers))
+
+
+def optree_clone(tree):
+    """A copy of every tensor of ``tree`` (traced: new shards of their own)."""
+    import optree
+
+    return optree.tree_map(torch.clone, tree)
 
 
 def _build(mode: str, spec: dict, world: int, rank: int):
@@ -103,17 +122,41 @@ def _build(mode: str, spec: dict, world: int, rank: int):
             loss.backward()
             opt.step()
             st["loss"] = loss.detach()
+    elif mode == "pjit_loop":
+        import optree
+
+        from sharded import shard
+
+        mesh = Mesh((world,), ("dp",))
+        loss_fn = pjit(spec["loss_fn"], in_specs=(P(), P("dp"), P("dp")), out_specs=P(),
+                       mesh=mesh, mode=DataParallelMode("replicate"))
+        params = optree.tree_map(lambda t: t.requires_grad_(),
+                                 shard(optree.tree_map(torch.clone, spec["params"]), P(), mesh))
+        opt = torch.optim.AdamW(optree.tree_leaves(params), lr=1e-3, weight_decay=1e-2)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(params, x, y)
+            loss.backward()
+            opt.step()
+            st["loss"] = loss.detach()
+        st["lower"] = lambda: loss_fn.lower(params, x, y)
     else:
         mesh = Mesh((world,), ("dp",))
-        layout = "replicate" if mode == "pjit_ddp" else "shard"
+        layout = "replicate" if mode.startswith("pjit_ddp") else "shard"
+        donate = (0, 1) if mode.endswith("_donated") else ()
         mode = DataParallelMode(layout, compile=False)   # the graph runner: compared as such
-        f = pjit(spec["step"], in_specs=(P(), P(), P("dp"), P("dp")), mesh=mesh, mode=mode)
+        f = pjit(spec["step"], in_specs=(P(), P(), P("dp"), P("dp")), mesh=mesh, mode=mode,
+                 donate_argnums=donate)
         init = pjit(optim.adamw_init, in_specs=P(), mesh=mesh, mode=mode)   # born sharded
-        st["p"], st["o"] = spec["params"], init(spec["params"])
+        # (donated: the params are shards of their own, so the caller's stay readable)
+        st["p"] = pjit(lambda p: optree_clone(p), in_specs=P(), mesh=mesh, mode=mode)(
+            spec["params"]) if donate else spec["params"]
+        st["o"] = init(spec["params"])
 
         def step():
             st["p"], st["o"], st["loss"] = f(st["p"], st["o"], x, y)
-        st["pjit"] = f
+        st["lower"] = lambda: f.lower(st["p"], st["o"], x, y)
     step()
     return step, st
 
@@ -180,9 +223,9 @@ def _rank_main(a: dict) -> dict:
                 times[m].append(time.perf_counter() - t0)
         dist.barrier()
         res["times"] = times
-        res["cost"] = {m: {k: v["count"] for k, v in states[m]["pjit"].lower(
-            states[m]["p"], states[m]["o"], *spec["batch"]).cost().items() if k != "total"}
-            for m in a["modes"] if "pjit" in states[m]}
+        res["cost"] = {m: {k: v["count"] for k, v in states[m]["lower"]().cost().items()
+                           if k != "total"}
+                       for m in a["modes"] if "lower" in states[m]}
         res["compile"] = _compile_times(spec, world) if a["compile"] else {}
         out[name] = res
     return out
@@ -225,12 +268,13 @@ def main(argv=None):
         ms = {m: max(statistics.median(r[name]["times"][m]) for r in per_rank) * 1e3 for m in a["modes"]}
         peak = {m: max(r[name]["peak_bytes"][m] for r in per_rank) for m in a["modes"]}
         ratios = {f"{n}/{d}": ms[n] / ms[d] for n, d in RATIOS if n in ms and d in ms}
-        mem_ratios = {f"{n}/{d}": peak[n] / peak[d] for n, d in RATIOS[:2] if n in peak and d in peak}
+        mem_ratios = {f"{n}/{d}": peak[n] / peak[d] for n, d in MEM_RATIOS
+                      if n in peak and d in peak and peak[d]}
         print(f"\n{name}: world {args.world}, {threads} thread(s)/rank, median of {args.iters} "
               f"interleaved rounds after {args.warmup} warmup")
-        print(f"{'mode':<11}{'ms/step':>9}{'peak MiB':>10}{'loss@0':>10}")
+        print(f"{'mode':<18}{'ms/step':>9}{'peak MiB':>10}{'loss@0':>10}")
         for m in a["modes"]:
-            print(f"{m:<11}{ms[m]:>9.1f}{peak[m] / 2**20:>10.2f}{per_rank[0][name]['loss0'][m]:>10.4f}")
+            print(f"{m:<18}{ms[m]:>9.1f}{peak[m] / 2**20:>10.2f}{per_rank[0][name]['loss0'][m]:>10.4f}")
         print("time ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
         print("peak memory ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in mem_ratios.items()))
         for m, c in per_rank[0][name]["cost"].items():

@@ -59,6 +59,15 @@ def is_functorch_wrapped(x: torch.Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(x)
 
 
+def is_vmapped(x: torch.Tensor) -> bool:
+    """Is ``x`` batched by torch.func.vmap (under any other torch.func wrappers)?"""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        if torch._C._functorch.is_batchedtensor(x):
+            return True
+        x = torch._C._functorch.get_unwrapped(x)
+    return False
+
+
 def functorch_base(x: torch.Tensor) -> torch.Tensor:
     """The plain tensor under ``x``'s torch.func (grad/vmap) wrappers, if any (the same
     Python object that the transform wrapped)."""
@@ -134,6 +143,16 @@ def dtensor_spec(dt: DTensor):
 def make_dtensor(local: torch.Tensor, spec) -> DTensor:
     """Wrap ``local`` with a precomputed DTensorSpec (no checks, no autograd)."""
     return DTensor(local, spec, requires_grad=local.requires_grad)
+
+
+def local_shape_of(shape, placements, device_mesh) -> tuple:
+    """This rank's shard shape of a tensor of ``shape`` laid out by ``placements``
+    (any DTensor placement, _StridedShard included)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    with suspend_dispatch_modes():       # integer arithmetic with real tensors inside
+        return tuple(compute_local_shape_and_global_offset(torch.Size(shape), device_mesh,
+                                                           tuple(placements))[0])
 
 
 def build_dtensor_spec(device_mesh, placements, shape, stride, dtype):
@@ -496,6 +515,71 @@ def storage_key(t: torch.Tensor):
     from torch.multiprocessing.reductions import StorageWeakRef
 
     return StorageWeakRef(t.untyped_storage())
+
+
+# -- the joint forward/backward program (pjit under autograd) ----------------------------
+
+def partition_joint(joint, n_fwd_outputs: int):
+    """Split a joint forward+backward graph into ``(forward, backward)`` graph modules
+    with torch's default partitioner (AOTAutograd's), keeping the program's own order:
+    the forward computes the first ``n_fwd_outputs`` outputs and returns, after them,
+    the values the backward needs; the backward takes those values (in that order),
+    then the cotangents, and returns the joint graph's remaining outputs.
+
+    ``joint``'s nodes carry ``meta["sharded_phase"]`` ("forward" / "backward") and its
+    cotangent inputs are placeholders named ``tangents_<k>`` (the partitioner's
+    conventions, set here from the phase tags)."""
+    import warnings
+
+    from torch._functorch.partitioners import default_partition
+
+    for n in joint.graph.nodes:
+        phase = n.meta.get("sharded_phase")
+        if phase is not None:
+            n.meta["partitioner_tag"] = "is_forward" if phase == "forward" else "is_backward"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return default_partition(joint, None, num_fwd_outputs=n_fwd_outputs)
+
+
+# -- donated inputs (pjit donate_argnums) -------------------------------------------------
+
+class _Donated(torch.Tensor):
+    """What a donated DTensor holds as its local tensor after the call: the metadata
+    of the old shard, and an error for every op (NOTE [Donation] in transforms/pjit.py)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, message: str):
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(),
+                                                dtype=like.dtype, device=like.device)
+        t._message = message
+        return t
+
+    def __repr__(self):
+        return f"<donated: {self._message}>"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        for a in tree_leaves((args, kwargs or {})):
+            if isinstance(a, _Donated):
+                raise RuntimeError(a._message)
+        raise RuntimeError("a donated tensor was used")
+
+
+def mark_donated(dt: DTensor, message: str) -> None:
+    """Make every later use of ``dt``'s data raise ``message`` (its storage now
+    belongs to the program's outputs)."""
+    dt._local_tensor = _Donated(dt._local_tensor, message)
+
+
+def donated_message(dt: DTensor) -> str | None:
+    """Why ``dt`` may not be used (it was donated), or None."""
+    local = dt._local_tensor
+    return local._message if isinstance(local, _Donated) else None
 
 
 # NOTE [Abstract meshes]

@@ -119,8 +119,15 @@ def c_spec_not_divisible():
     return pjit(lambda x: x * 2, in_specs=P("dp"), mesh=_mesh())(torch.ones(3, 2))
 
 
-def c_spec_top_level_dict():
-    return pjit(lambda x: x, in_specs={"x": P()}, mesh=_mesh())(torch.ones(2))
+def c_spec_dict_by_name_ok():
+    f = pjit(lambda x, y: x * y, in_specs={"x": P("dp")}, mesh=_mesh())
+    out = f(torch.arange(4.0), y=torch.full((4,), 2.0))
+    assert spec_of(out) == P("dp"), spec_of(out)
+    _close(gather(out), torch.arange(4.0) * 2)
+
+
+def c_spec_dict_unknown_name():
+    return pjit(lambda x: x, in_specs={"z": P()}, mesh=_mesh())(torch.ones(2))
 
 
 def c_spec_bad_entry():
@@ -314,8 +321,83 @@ def c_object_with_tensors_arg():
     return pjit(lambda h: h.t * 2, in_specs=P(), mesh=_mesh())(Holder(torch.ones(2)))
 
 
-def c_keyword_args():
-    return pjit(lambda x, y: x + y, in_specs=P(), mesh=_mesh())(torch.ones(2), y=torch.ones(2))
+def c_keyword_args_ok():
+    f = pjit(lambda x, y: x + y, in_specs=P("dp"), mesh=_mesh())   # one P covers keywords too
+    out = f(_x(), y=_x())
+    assert spec_of(out) == P("dp"), spec_of(out)
+    _close(gather(out), _x() * 2)
+
+
+def c_keyword_tuple_specs_replicated_ok():
+    f = pjit(lambda x, y: x * y, in_specs=(P("dp"),), mesh=_mesh())  # y: P() by default
+    _close(gather(f(_x(), y=torch.tensor([1.0, 2.0]))), _x() * torch.tensor([1.0, 2.0]))
+    assert f.lower(_x(), y=torch.ones(2)).in_specs == [P("dp"), P()]
+
+
+def c_keyword_static_ok():
+    f = pjit(lambda x, *, scale: x * scale, in_specs=P("dp"), static_argnames="scale",
+             mesh=_mesh())
+    _close(gather(f(_x(), scale=2.0)), _x() * 2)
+    _close(gather(f(_x(), scale=2.0)), _x() * 2)
+    _close(gather(f(_x(), scale=3.0)), _x() * 3)
+    assert f.trace_count == 2, f.trace_count
+
+
+def c_keyword_unexpected():
+    return pjit(lambda x: x, in_specs=P(), mesh=_mesh())(_x(), z=_x())
+
+
+def c_keyword_multiple_values():
+    return pjit(lambda x: x, in_specs=P(), mesh=_mesh())(_x(), x=_x())
+
+
+def c_keyword_spec_not_divisible():
+    f = pjit(lambda x, y: x.sum() + y.sum(), in_specs={"y": P("dp")}, mesh=_mesh())
+    return f(_x(), y=torch.ones(3))
+
+
+def c_static_argnames_unknown():
+    return pjit(lambda x, scale: x * scale, static_argnames=("scael",), in_specs=P(), mesh=_mesh())
+
+
+def c_static_argnames_not_str():
+    return pjit(lambda x, scale: x * scale, static_argnames=(1,), in_specs=P(), mesh=_mesh())
+
+
+def c_static_kwarg_tensor():
+    f = pjit(lambda x, scale: x * scale, static_argnames="scale", in_specs=P(), mesh=_mesh())
+    return f(_x(), scale=torch.ones(2))
+
+
+def c_static_kwarg_unhashable():
+    f = pjit(lambda x, cfg: x * cfg["s"], static_argnames="cfg", in_specs=P(), mesh=_mesh())
+    return f(_x(), cfg={"s": 2.0})
+
+
+def c_in_specs_dict_names_static():
+    return pjit(lambda x, scale: x * scale, in_specs={"scale": P()}, static_argnames="scale",
+                mesh=_mesh())
+
+
+def c_donate_argnames_unknown():
+    return pjit(lambda params, x: x, donate_argnames="parms", in_specs=P(), mesh=_mesh())
+
+
+def c_donated_read_after_call():
+    f = pjit(lambda w: w * 2, in_specs=P("dp"), donate_argnums=0, mesh=_mesh())
+    w = shard(_x(), P("dp"), _mesh())
+    ptr = w.to_local().untyped_storage().data_ptr()
+    out = f(w)
+    _close(gather(out), _x() * 2)
+    assert out.to_local().untyped_storage().data_ptr() == ptr     # computed in w's storage
+    return w + 1
+
+
+def c_donated_passed_again():
+    f = pjit(lambda w: w * 2, in_specs=P("dp"), donate_argnames="w", mesh=_mesh())
+    w = shard(_x(), P("dp"), _mesh())
+    f(w)
+    return f(w)
 
 
 def c_shape_differs():
@@ -350,9 +432,14 @@ def c_scalar_and_none_leaves_ok():
     _close(gather(f(_x(), 2.5, None)), _x() * 2.5)
 
 
-def c_inside_torch_func_grad():
+def c_inside_torch_func_grad_ok():
     g = pjit(lambda x: x * 2, in_specs=P(), mesh=_mesh())
-    return torch.func.grad(lambda x: g(x).sum())(torch.ones(2))
+    _close(torch.func.grad(lambda x: g(x).sum())(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def c_inside_torch_func_vmap():
+    g = pjit(lambda x: x * 2, in_specs=P(), mesh=_mesh())
+    return torch.func.vmap(g)(torch.ones(3, 2))
 
 
 def c_not_callable():
@@ -771,7 +858,8 @@ CASES = {
     "spec_repeated_axis": (c_spec_repeated_axis, E("ValueError", r"uses mesh axis 'dp' twice \(dims 0 and 1\)")),
     "spec_too_long": (c_spec_too_long, E("ValueError", r"has 2 entries, but the tensor has 1 dims \(shape \(4,\)\)")),
     "spec_not_divisible": (c_spec_not_divisible, E("ValueError", r"in_specs \(for args\[0\]\) maps dim 0 \(size 3\) to mesh axis 'dp' \(size 2\), which does not divide it; pad the input or change the mesh")),
-    "spec_top_level_dict": (c_spec_top_level_dict, E("TypeError", r"pjit\(<lambda>\) in_specs must be a P, None, or a tuple with one entry per positional argument; got dict")),
+    "spec_dict_by_name_ok": (c_spec_dict_by_name_ok, OK),
+    "spec_dict_unknown_name": (c_spec_dict_unknown_name, E("ValueError", r"pjit\(<lambda>\): in_specs\['z'\] names no parameter of the function; it takes \(x\)")),
     "spec_bad_entry": (c_spec_bad_entry, E("TypeError", r"P entry 0 must be None, a mesh axis name or a tuple of axis names; got 1")),
     "spec_scalar_sharded": (c_spec_scalar_sharded, E("ValueError", r"is P\('dp'\), which has 1 entries, but the tensor has 0 dims")),
     "spec_list_ok": (c_spec_list_ok, OK),
@@ -813,14 +901,30 @@ CASES = {
     "module_arg": (c_module_arg, E("TypeError", r"args\[0\] is an nn.Module \(Linear\); pass its parameters instead.*torch.func.functional_call")),
     "dict_subclass_arg": (c_dict_subclass_arg, E("TypeError", r"args\[0\] is an instance of MyDict \(a dict subclass that is not a registered pytree node\) holding tensors")),
     "object_with_tensors_arg": (c_object_with_tensors_arg, E("TypeError", r"args\[0\] is an instance of Holder with tensor attributes \['t'\]")),
-    "keyword_args": (c_keyword_args, E("TypeError", r"pjit\(<lambda>\) takes positional arguments only; got keyword argument\(s\) \['y'\]")),
+    # keyword arguments (NOTE [Keyword arguments] in transforms/pjit.py)
+    "keyword_args_ok": (c_keyword_args_ok, OK),
+    "keyword_tuple_specs_replicated_ok": (c_keyword_tuple_specs_replicated_ok, OK),
+    "keyword_static_ok": (c_keyword_static_ok, OK),
+    "keyword_unexpected": (c_keyword_unexpected, E("TypeError", r"pjit\(<lambda>\) got an unexpected keyword argument 'z'; the function takes \(x\)")),
+    "keyword_multiple_values": (c_keyword_multiple_values, E("TypeError", r"pjit\(<lambda>\) got multiple values for argument 'x' \(positional argument 0 and a keyword\)")),
+    "keyword_spec_not_divisible": (c_keyword_spec_not_divisible, E("ValueError", r"in_specs\['y'\] \(for kwargs\['y'\]\) maps dim 0 \(size 3\) to mesh axis 'dp' \(size 2\), which does not divide it")),
+    "static_argnames_unknown": (c_static_argnames_unknown, E("ValueError", r"static_argnames has 'scael', but the function has no parameter of that name; it takes \(x, scale\)")),
+    "static_argnames_not_str": (c_static_argnames_not_str, E("TypeError", r"static_argnames must be strs; got 1")),
+    "static_kwarg_tensor": (c_static_kwarg_tensor, E("TypeError", r"pjit\(<lambda>\): kwargs\['scale'\] is static \(static_argnames\) but is a tensor of shape \(2,\)")),
+    "static_kwarg_unhashable": (c_static_kwarg_unhashable, E("TypeError", r"static kwargs\['cfg'\] \(static_argnames\), dict")),
+    "in_specs_dict_names_static": (c_in_specs_dict_names_static, E("ValueError", r"in_specs\['scale'\] names a static argument; static arguments take no spec")),
+    # donation (NOTE [Donation] in transforms/pjit.py)
+    "donate_argnames_unknown": (c_donate_argnames_unknown, E("ValueError", r"donate_argnames has 'parms', but the function has no parameter of that name; it takes \(params, x\)")),
+    "donated_read_after_call": (c_donated_read_after_call, E("RuntimeError", r"^args\[0\] was donated to pjit\(<lambda>\); use the returned value")),
+    "donated_passed_again": (c_donated_passed_again, E("RuntimeError", r"pjit\(<lambda>\): args\[0\] cannot be used: args\[0\] was donated to pjit\(<lambda>\); use the returned value")),
     "shape_differs": (c_shape_differs, E("RankMismatchError", r"rank 0: input args\[0\]: float32\[4, 2\] P\('dp'\)\n    rank 1: input args\[0\]: float32\[8, 2\] P\('dp'\)")),
     "dtype_differs": (c_dtype_differs, E("RankMismatchError", r"rank 0: input args\[0\]: float32\[4, 2\].*\n    rank 1: input args\[0\]: float64\[4, 2\]")),
     "input_layout_differs": (c_input_layout_differs, E("RankMismatchError", r"rank 0: input args\[0\]: a DTensor laid out as \(Shard\(dim=0\),\), redistributed before the program")),
     "in_specs_differ": (c_in_specs_differ, MISMATCH),
     "dtensor_resharded_ok": (c_dtensor_resharded_ok, OK),
     "scalar_and_none_leaves_ok": (c_scalar_and_none_leaves_ok, OK),
-    "inside_torch_func_grad": (c_inside_torch_func_grad, E("TypeError", r"was called inside a torch.func transform \(grad, vmap, ...\)")),
+    "inside_torch_func_grad_ok": (c_inside_torch_func_grad_ok, OK),
+    "inside_torch_func_vmap": (c_inside_torch_func_vmap, E("TypeError", r"pjit\(<lambda>\) was called inside torch.func.vmap; a pjit call cannot be batched from outside. Put vmap inside the function")),
     "not_callable": (c_not_callable, E("TypeError", r"pjit expects a callable; got int 3")),
     "mode_not_a_mode": (c_mode_not_a_mode, E("TypeError", r"pjit mode must be a sharded.modes.ParallelMode; got 'dtensor'")),
     "no_args_ok": (c_no_args_ok, OK),

@@ -51,10 +51,15 @@ logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietFakeTensorErr
 
 
 def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
-                 fn: Callable | None = None, inputs: Sequence[str] = ()) -> fx.GraphModule:
+                 fn: Callable | None = None, inputs: Sequence[str] = (),
+                 requires_grad: Sequence[bool] | None = None) -> fx.GraphModule:
     """Trace ``flat_fn`` (flat tensors in, flat tensors out) on fakes like ``metas``.
     ``fn`` is the user's function (for the state guard and error messages) and
     ``inputs`` describes each tensor input (``"args[0]['w']: float32[4, 8]"``).
+
+    With ``requires_grad`` (one flag per input), the trace is the joint forward and
+    backward program instead (NOTE [The joint program]): see ``JointInfo``, in
+    ``gm.meta["joint"]``.
 
     # NOTE [Trace, then functionalize]
     The function is traced as is first: torch.func.grad/vmap and autograd.Functions
@@ -77,13 +82,15 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
         with _NoCapturedMutation(api, state):
             return flat_fn(*tensors)
 
+    joint = JointInfo() if requires_grad is not None else None
+    traced = guarded if joint is None else _joint_fn(guarded, list(requires_grad), joint)
     try:
         with _region.region_scope() as regions:   # shard_map bodies, owned by the graph
             with _global_trace():
                 try:
                     with _torch.user_stack_traces():
                         # stack traces: errors in later steps name the user's source line
-                        gm = make_fx(guarded, tracing_mode="fake")(*fakes)
+                        gm = make_fx(traced, tracing_mode="fake")(*fakes)
                 finally:
                     if state is not None:
                         state.restore_and_check()
@@ -91,6 +98,9 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
                     gm = make_fx(torch.func.functionalize(gm, remove="mutations"),
                                  tracing_mode="fake")(*fakes)
         regions.attach(gm)
+        if joint is not None:
+            _finish_joint(gm, joint)
+            gm.meta["joint"] = joint
         return gm
     except (_torch.DataDependentOutputException, _torch.DynamicOutputShapeException) as e:
         raise TracingError(
@@ -102,6 +112,155 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
         ) from None
     except Exception as e:  # noqa: BLE001 - re-raised with the user's line and inputs
         raise _with_context(e, api, inputs, fn) from None
+
+
+# ---------------------------------------------------------------------------
+# The joint program (pjit under autograd)
+# ---------------------------------------------------------------------------
+
+# NOTE [The joint program]
+# A pjit'd function called on inputs that require grad (or under torch.func.grad,
+# vjp, jacrev) needs a backward program too. It is traced once, with the forward,
+# as AOTAutograd does: the function runs on fake inputs that require grad, then
+# torch.autograd.grad of the outputs that require grad, against one cotangent
+# per such output, is traced into the same graph. Autograd.Functions in the user's
+# code (with_sharding_constraint, the plan layouts, shard_map regions) contribute
+# their own backward rules, which a trace of the traced graph would lose.
+# The cotangents must be graph inputs, but which outputs need one is only known
+# once the forward has run; so each is traced as a ``sharded::pjit_cotangent`` op
+# applied to its output and, after the trace, replaced by a placeholder
+# ``tangents_<k>`` (the name torch's partitioner recognises). The first of those
+# ops is also where the forward ends: nodes before it are tagged forward, nodes
+# after backward (``meta["sharded_phase"]``), and ``sharded._torch.partition_joint``
+# splits the graph there (forward outputs plus the values the backward needs; the
+# backward from those values and the cotangents). ``detach`` nodes, identities in
+# a functional program, are dropped first so that a value is not saved twice.
+
+@torch.library.custom_op("sharded::pjit_cotangent", mutates_args=())
+def _cotangent(like: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("sharded::pjit_cotangent is replaced by a graph input after tracing.")
+
+
+@_cotangent.register_fake
+def _(like):
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
+COTANGENT_OP = torch.ops.sharded.pjit_cotangent.default
+
+
+@dataclasses.dataclass
+class JointInfo:
+    """What the joint trace found: ``n_out`` forward outputs; ``diff_out[i]``: output
+    ``i`` requires grad (gets a cotangent, in order); ``grad_in``: the inputs that get
+    a gradient (indices into the inputs; an input that requires grad but does not
+    affect any output gets None)."""
+
+    n_out: int = 0
+    diff_out: list = dataclasses.field(default_factory=list)
+    grad_in: list = dataclasses.field(default_factory=list)
+
+
+def _joint_fn(forward: Callable, requires_grad: list, info: JointInfo) -> Callable:
+    def joint(*tensors):
+        with torch.enable_grad():
+            prims = [t.detach().requires_grad_() if r else t for t, r in zip(tensors, requires_grad)]
+            outs = list(forward(*prims))
+            diff = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
+            tangents = [COTANGENT_OP(o.detach()) for o, d in zip(outs, diff) if d]
+            wrt = [i for i, r in enumerate(requires_grad) if r]
+            grads: Sequence = [None] * len(wrt)
+            if tangents and wrt:
+                grads = torch.autograd.grad([o for o, d in zip(outs, diff) if d],
+                                            [prims[i] for i in wrt], tangents, allow_unused=True)
+        info.n_out, info.diff_out = len(outs), diff
+        info.grad_in = [i for i, g in zip(wrt, grads) if g is not None]
+        return outs + [g for g in grads if g is not None]
+
+    return joint
+
+
+def _finish_joint(gm: fx.GraphModule, info: JointInfo) -> None:
+    """Cotangent ops -> ``tangents_<k>`` placeholders, phase tags, no detach nodes
+    (NOTE [The joint program])."""
+    g = gm.graph
+    phase = "forward"
+    last_input = None
+    cotangents = []
+    for n in g.nodes:
+        if n.op == "placeholder":
+            last_input = n
+        if n.op == "call_function" and n.target is COTANGENT_OP:
+            phase = "backward"
+            cotangents.append(n)
+        n.meta["sharded_phase"] = phase
+    for k, n in enumerate(cotangents):
+        with g.inserting_after(last_input):
+            ph = g.placeholder(f"tangents_{k + 1}")
+        ph.meta["val"] = n.meta["val"]
+        ph.meta["sharded_phase"] = "backward"
+        n.replace_all_uses_with(ph)
+        g.erase_node(n)
+        last_input = ph
+    for n in list(g.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten.detach.default:
+            n.replace_all_uses_with(n.args[0])
+            g.erase_node(n)
+    _views_in_backward(g)
+    g.eliminate_dead_code()
+    gm.recompile()
+
+
+# NOTE [Views are recomputed in the backward]
+# A forward view (view, reshape, transpose, permute, expand, ...) that the backward
+# reads is computed again in the backward from its base, so that the partitioner
+# saves the base, not the view. A view costs nothing to recompute and shares its
+# base's memory, so nothing is lost; what is won is the layout the residual crosses
+# the forward/backward boundary in. Flattening ``[b, h, s, d]`` sharded over ("dp",
+# "tp") on b and h to ``[b * h, s, d]`` gives a strided layout (DTensor's
+# _StridedShard) that no P expresses, whose shards may differ in size from rank to
+# rank, and that most sharding rules do not take; the base has a plain layout, and
+# the view in the backward propagates as it would in one joint program (the one
+# ``pjit(torch.func.grad(f))`` runs). Only chains of views of a contiguous value are
+# recomputed: a saved value reaches the backward contiguous, and a view that relied on
+# its base's strides (``view`` of the transpose of SDPA's output, which is laid out
+# [b, s, h, d] in memory) would not apply there.
+
+_VIEW_OPS = frozenset({
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default, torch.ops.aten.t.default, torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default, torch.ops.aten.expand.default,
+    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+    torch.ops.aten.alias.default,
+})
+
+
+def _views_in_backward(g: fx.Graph) -> None:
+    """NOTE [Views are recomputed in the backward]."""
+    first_bw = next((n for n in g.nodes if n.op == "call_function"
+                     and n.meta.get("sharded_phase") == "backward"), None)
+    if first_bw is None:
+        return
+    copies: dict = {}
+    for n in list(g.nodes):
+        if n is first_bw:
+            break
+        if n.op != "call_function" or n.target not in _VIEW_OPS:
+            continue
+        base = n.args[0]
+        if base not in copies:       # the root of a chain of views: it crosses the boundary
+            val = base.meta.get("val") if isinstance(base, fx.Node) else None
+            if not (isinstance(val, torch.Tensor) and val.is_contiguous()):
+                continue             # (saved values reach the backward contiguous)
+        bw_users = [u for u in n.users if u.op == "call_function"
+                    and u.meta.get("sharded_phase") == "backward"]
+        with g.inserting_before(first_bw):
+            copy = g.node_copy(n, lambda a: copies.get(a, a))
+        copy.meta = dict(n.meta)
+        copy.meta["sharded_phase"] = "backward"
+        copies[n] = copy
+        for u in bw_users:
+            u.replace_input_with(n, copy)
 
 
 def _has_mutations(gm: fx.GraphModule) -> bool:

@@ -17,11 +17,22 @@ class Lowered:
     - ``memory()``: this rank's memory while it runs the program (a static estimate).
     - ``compile_times()``: seconds spent tracing, partitioning, in the passes and (once
       it has compiled) in inductor; ``runner()``: what runs the program now.
+    - ``backward``: for a call whose inputs require grad (or under torch.func.grad,
+      vjp, jacrev), the backward program's ``Lowered`` (NOTE [pjit under autograd] in
+      transforms/_autograd.py); None otherwise.
+    - ``donated``: ``{donated input path: output path that shares its storage, or
+      None}`` (NOTE [Donation] in transforms/pjit.py); empty without donation.
     """
+
+    backward: "Lowered | None"
+    donated: dict[str, str | None]
 
     def __init__(self, compiled, name: str):
         self._c = compiled
         self.name = name
+        backward = getattr(compiled, "backward", None)
+        self.backward = Lowered(backward, f"{name} backward") if backward is not None else None
+        self.donated = dict(getattr(compiled, "reused", {}))
         self.global_graph = compiled.global_graph
         self.local_graph = compiled.local_graph
         self.mesh = compiled.mesh
@@ -55,7 +66,7 @@ class Lowered:
         (bucketing, overlap, reinplacing), and ``inductor``: the compile of the
         program into inductor's code (with its first run) once the runner has compiled
         it (NOTE [Runners]), else None."""
-        times = dict(self._c.times)
+        times = dict(getattr(self._c, "times", {}))   # (a backward: built with its forward)
         times["inductor"] = getattr(self._c.runner, "compile_seconds", None)
         return times
 

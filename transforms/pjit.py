@@ -17,13 +17,14 @@ import re
 import threading
 import time
 import types
+import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from sharded import _torch, _tree, random as srandom, sync
 from sharded.mesh import Mesh, current_mesh
@@ -31,6 +32,7 @@ from sharded.modes import DTensorExpandMode, ParallelMode
 from sharded.passes import fingerprint
 from sharded.random.rewrite import rewrite_random_ops
 from sharded.spec import P, check_spec, from_placements, local_slice, to_placements
+from transforms import _autograd
 from transforms._trace import in_global_trace, mutated_inputs, trace_global
 from transforms.lowered import Lowered
 
@@ -52,20 +54,33 @@ def pjit(
     mesh: Mesh | None = None,
     mode: ParallelMode | None = None,
     static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Iterable[str] = (),
     donate_argnums: int | Sequence[int] = (),
+    donate_argnames: str | Iterable[str] = (),
 ):
     """Partition ``fn`` over ``mesh`` and return a jitted callable.
 
-    - ``in_specs``: a pytree prefix of the positional arguments (static ones left
-      out), with ``P`` or ``None`` (replicated) leaves; a single ``P`` covers all.
+    - ``in_specs``: a pytree prefix of the arguments, with ``P`` or ``None``
+      (replicated) leaves. A single ``P`` covers every argument; a tuple has one
+      entry per positional argument (static ones left out), and tensors passed by
+      keyword are replicated (``P()``); a dict names arguments by parameter name,
+      positional or keyword, and an argument it does not name is replicated.
       DTensor inputs are redistributed if their layout differs; plain tensors are taken
       as the same global value on every rank and sliced locally.
     - ``out_specs``: a pytree prefix of the outputs; ``UNSPECIFIED`` keeps the layout
       that propagation gives (pending reductions are reduced to replicated).
-    - ``static_argnums``: positional args passed as Python values (negative numbers
-      count from the end, as in JAX); each distinct value traces a new program.
-      Non-tensor leaves of the other args are static too.
-    - ``donate_argnums``: accepted for JAX compatibility; buffers are not reused yet.
+    - ``static_argnums`` / ``static_argnames``: arguments passed as Python values
+      (negative numbers count from the end, as in JAX); each distinct value traces a
+      new program. A name and a position that denote the same parameter are the
+      same static argument. Non-tensor leaves of the other args are static too.
+    - ``donate_argnums`` / ``donate_argnames``: arguments whose DTensors the call
+      consumes: the program may compute its outputs in their storage (a train step
+      updates parameters and moments in place), and reading one afterwards raises.
+      See docs/concepts.md, "Donation".
+
+    A call whose tensor inputs require grad, or that runs under ``torch.func.grad``,
+    ``vjp`` or ``jacrev``, is differentiable: its backward is a partitioned program
+    traced with the forward (docs/concepts.md, "Gradients through pjit").
 
     Programs are cached per function (weakly: they go when the function goes) and
     configuration, so ``pjit(f, ...)(x)`` in a loop traces once, and per input
@@ -76,9 +91,11 @@ def pjit(
     if fn is None:
         return functools.partial(
             pjit, in_specs=in_specs, out_specs=out_specs, mesh=mesh, mode=mode,
-            static_argnums=static_argnums, donate_argnums=donate_argnums,
+            static_argnums=static_argnums, static_argnames=static_argnames,
+            donate_argnums=donate_argnums, donate_argnames=donate_argnames,
         )
-    return Pjit(fn, in_specs, out_specs, mesh, mode, static_argnums, donate_argnums)
+    return Pjit(fn, in_specs, out_specs, mesh, mode, static_argnums, donate_argnums,
+                static_argnames=static_argnames, donate_argnames=donate_argnames)
 
 
 # ---------------------------------------------------------------------------
@@ -124,11 +141,14 @@ def _hashable_tree(tree):
 @dataclass
 class _Signature:
     mesh: Mesh
-    leaves: list                 # flat leaves of the dynamic args
-    treedef: Any
+    leaves: list                 # flat leaves of the dynamic args (then dynamic kwargs)
+    treedef: Any                 # of the dynamic args, or of (args, kwargs) with keywords
     static_args: tuple
     static_argnums: tuple        # normalized for this call
     key: tuple
+    ambient: tuple = ()
+    static_kwargs: dict | None = None   # None: called without keyword arguments
+    grad: tuple | None = None    # per tensor leaf: requires grad (None: the no-grad path)
 
 
 @dataclass(eq=False)
@@ -153,15 +173,31 @@ class Compiled:
     program: int = 0                     # digest the ranks compare before each run
     lines: Callable = list               # the digest's readable form (for a mismatch)
     times: dict = field(default_factory=dict)   # seconds: trace, partition, passes
+    # differentiable entries (NOTE [pjit under autograd] in transforms/_autograd.py)
+    differentiable: bool = False
+    n_tensor_out: int = 0                # the program's first outputs; residuals follow
+    diff_out: list = dataclasses.field(default_factory=list)   # per tensor output: requires grad
+    grad_in: list = dataclasses.field(default_factory=list)    # tensor inputs that get a gradient
+    backward: Any = None                 # _autograd.Backward, or None
+    # donation (NOTE [Donation])
+    donated: list = dataclasses.field(default_factory=list)    # leaf indices of donated tensors
+    donated_local: list = dataclasses.field(default_factory=list)  # ... their program input index
+    donated_msgs: list = dataclasses.field(default_factory=list)
+    reused: dict = dataclasses.field(default_factory=dict)     # donated input path -> output path
 
     def outcome(self, leaves: list) -> sync.Outcome:
         """What this call brings to the cross-rank agreement (no communication):
         checks DTensor inputs and folds in those that will be redistributed."""
         dm = self.mesh.device_mesh
         moves = []
+        if self.differentiable:           # torch.func-wrapped inputs: look at what they wrap
+            leaves = [_torch.functorch_base(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         for i, (leaf, pl) in enumerate(zip(leaves, self.in_plan)):
             if pl is None or not isinstance(leaf, DTensor):
                 continue
+            why = _torch.donated_message(leaf)
+            if why is not None:
+                raise RuntimeError(f"{self.name}: {self.in_paths[i]} cannot be used: {why}.")
             if leaf.device_mesh is not dm and leaf.device_mesh != dm:
                 raise ValueError(
                     f"{self.name}: {self.in_paths[i]} is a DTensor on {leaf.device_mesh}, not "
@@ -180,10 +216,12 @@ class Compiled:
 
         return sync.Outcome(program, lines, srandom._call_state() if self.n_draws else None)
 
-    def run(self, leaves: list) -> Any:
+    def _locals(self, leaves: list, plan: list) -> list:
+        """This rank's input tensors for the program (``plan``: per leaf, its
+        placements, or None for a static leaf)."""
         dm = self.mesh.device_mesh
         locals_ = []
-        for leaf, pl in zip(leaves, self.in_plan):
+        for leaf, pl in zip(leaves, plan):
             if pl is None:
                 continue
             if isinstance(leaf, DTensor):
@@ -193,18 +231,62 @@ class Compiled:
                 locals_.append(_torch.local_tensor(leaf).detach().contiguous())
             else:
                 locals_.append(local_slice(leaf.detach(), pl, self.mesh))
+        if self.donated:
+            _separate_donated(locals_, self.donated_local)
         if self.n_draws:
             locals_.extend(srandom._take(self.n_draws, self.rng_device))
-        outs = iter(self.runner(*locals_))
+        return locals_
+
+    def run(self, leaves: list) -> Any:
+        locals_ = self._locals(leaves, self.in_plan)
+        if self.donated:
+            try:
+                outs = iter(self.runner(*locals_))
+            finally:
+                self._consume(leaves)
+        else:
+            outs = iter(self.runner(*locals_))
         flat = [v if kind == "static" else _torch.make_dtensor(next(outs), v)
                 for kind, v in self.out_plan]
         return _tree.unflatten(self.out_treedef, flat)
+
+    # -- donation (NOTE [Donation]) ------------------------------------------------------
+    def _consume(self, leaves: list, tensors_only: bool = False) -> None:
+        """After a call: every donated DTensor raises when used. ``leaves``: all the
+        dynamic leaves, or (``tensors_only``) the tensor inputs."""
+        for i, k, msg in zip(self.donated, self.donated_local, self.donated_msgs):
+            leaf = _torch.functorch_base(leaves[k if tensors_only else i])
+            if isinstance(leaf, DTensor) and _torch.donated_message(leaf) is None:
+                _torch.mark_donated(leaf, msg)
+
+    # -- the differentiable path (NOTE [pjit under autograd]) ------------------------
+    def run_grad(self, leaves: list) -> Any:
+        tensors = [leaf for leaf, pl in zip(leaves, self.in_plan) if pl is not None]
+        outs = iter(_autograd.apply(self, tensors))
+        flat = [v if kind == "static" else next(outs) for kind, v in self.out_plan]
+        return _tree.unflatten(self.out_treedef, flat)
+
+    def forward(self, tensors: list) -> tuple[list, list]:
+        """The forward program on the tensor inputs: (output DTensors, residuals)."""
+        plan = [pl for pl in self.in_plan if pl is not None]
+        locals_ = self._locals(tensors, plan)
+        if self.donated:
+            try:
+                outs = self.runner(*locals_)
+            finally:
+                self._consume(tensors, tensors_only=True)
+        else:
+            outs = self.runner(*locals_)
+        n = self.n_tensor_out
+        specs = [v for kind, v in self.out_plan if kind != "static"]
+        return [_torch.make_dtensor(o, spec) for o, spec in zip(outs[:n], specs)], list(outs[n:])
 
 
 class Pjit:
     """The callable that pjit returns. ``.lower(*args)`` shows the program."""
 
-    def __init__(self, fn, in_specs, out_specs, mesh, mode, static_argnums, donate_argnums=()):
+    def __init__(self, fn, in_specs, out_specs, mesh, mode, static_argnums, donate_argnums=(), *,
+                 static_argnames=(), donate_argnames=()):
         if not callable(fn):
             raise TypeError(f"pjit expects a callable; got {type(fn).__name__} {fn!r:.80}.")
         self.fn = fn
@@ -215,13 +297,25 @@ class Pjit:
         if not isinstance(self.mode, ParallelMode):
             raise TypeError(f"pjit mode must be a sharded.modes.ParallelMode; got {self.mode!r}.")
         self.name = f"pjit({getattr(fn, '__name__', type(fn).__name__)})"
-        self.static_argnums = _argnums(fn, static_argnums, "static_argnums", self.name)
-        self.donate_argnums = _argnums(fn, donate_argnums, "donate_argnums", self.name)
+        self._params = _parameters(fn)
+        self.static_argnums, self.static_argnames = _both(
+            fn, self._params, static_argnums, static_argnames, "static", self.name)
+        self.donate_argnums, self.donate_argnames = _both(
+            fn, self._params, donate_argnums, donate_argnames, "donate", self.name)
+        both = (set(self.static_argnums) & set(self.donate_argnums)) | (
+            self.static_argnames & self.donate_argnames)
+        if both:
+            raise ValueError(
+                f"{self.name}: argument(s) {sorted(both, key=str)} are both static and donated; "
+                f"a static argument is a Python value, not a buffer to donate."
+            )
+        _check_in_specs_names(in_specs, self._params, self.static_argnames, self.name)
         self._mode_key = (type(self.mode), self.mode.cache_key())
         self._anchor = _anchor(fn)
         try:
             self._config = (self._mode_key, _hashable_tree(in_specs), _hashable_tree(out_specs),
-                            self.static_argnums)
+                            self.static_argnums, tuple(sorted(self.static_argnames)),
+                            self.donate_argnums, tuple(sorted(self.donate_argnames)))
         except TypeError:
             self._config = None
         self._own_cache: collections.OrderedDict = collections.OrderedDict()
@@ -250,13 +344,7 @@ class Pjit:
             raise
         entry = None
         try:
-            if kwargs:
-                raise TypeError(
-                    f"{self.name} takes positional arguments only; got keyword argument(s) "
-                    f"{sorted(kwargs)}. Pass them positionally: in_specs has one entry per "
-                    f"positional argument."
-                )
-            sig = self._signature(args, mesh)
+            sig = self._signature(args, kwargs, mesh)
             entry = self._lookup(sig) or self._compile(sig, args)
             outcome = entry.outcome(sig.leaves)
         except Exception as e:  # noqa: BLE001 - every rank must hear about it
@@ -264,46 +352,81 @@ class Pjit:
         states = sync.agree(mesh, self.name, outcome)
         if states is not None and entry is not None and entry.n_draws:
             srandom._settle(states, self.name)
-        return sync.run_guarded(self.name, entry.run, sig.leaves, mesh=mesh)
+        run = entry.run if sig.grad is None else entry.run_grad
+        return sync.run_guarded(self.name, run, sig.leaves, mesh=mesh)
 
-    def lower(self, *args) -> Lowered:
-        """Trace and partition for ``args`` without running (no communication)."""
-        sig = self._signature(args, current_mesh(self.mesh, self.name))
+    def lower(self, *args, **kwargs) -> Lowered:
+        """Trace and partition for ``args`` without running (no communication). For
+        a differentiable call (inputs that require grad) ``.backward`` is the
+        backward program's ``Lowered``."""
+        sig = self._signature(args, kwargs, current_mesh(self.mesh, self.name))
         entry = self._lookup(sig) or self._compile(sig, args)
         return Lowered(entry, self.name)
 
     # -- Checks and cache key ------------------------------------------------
-    def _signature(self, args, mesh) -> _Signature:
+    def _signature(self, args, kwargs, mesh) -> _Signature:
         nums = self._static_argnums_for(len(args))
         static = tuple(args[i] for i in nums)
         for i, v in zip(nums, static):
             _check_static_arg(v, f"args[{i}]", self.name)
         dyn = tuple(a for i, a in enumerate(args) if i not in nums)
-        leaves, treedef = _tree.flatten(dyn)
+        static_kw, dyn_kw = None, None
+        if kwargs:
+            static_kw, dyn_kw = self._split_kwargs(args, kwargs)
+            leaves, treedef = _tree.flatten((dyn, dyn_kw))
+        else:
+            leaves, treedef = _tree.flatten(dyn)
         leaf_keys: list[tuple] = []
+        differentiable = False
         for j, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
-                if _torch.is_functorch_wrapped(x):
-                    raise TypeError(
-                        f"{self.name} was called inside a torch.func transform (grad, vmap, "
-                        f"...); a pjit/shard_map call is not differentiable from outside. Put "
-                        f"the transform inside the function instead: "
-                        f"pjit(torch.func.grad(loss), ...)."
-                    )
+                if x.requires_grad or _torch.is_functorch_wrapped(x):
+                    differentiable = True
                 leaf_keys.append((tuple(x.shape), x.dtype, x.device.type))
             else:
                 if type(x) not in _PLAIN_STATIC:
-                    _check_leaf(x, functools.partial(_dyn_path, args, nums, j), self.name)
+                    _check_leaf(x, functools.partial(_dyn_path, args, nums, dyn_kw, j), self.name)
                 leaf_keys.append(("static", type(x), x))   # 1, 1.0 and True are distinct
-        key = (treedef, tuple(leaf_keys), tuple((type(v), v) for v in static), nums, mesh,
-               _ambient())
-        return _Signature(mesh, leaves, treedef, static, nums, key)
+        ambient = _ambient()
+        key: tuple = (treedef, tuple(leaf_keys), tuple((type(v), v) for v in static), nums, mesh,
+                      ambient)
+        if static_kw is not None:     # (the dynamic ones are in the treedef)
+            key = key + (("kwargs", tuple((k, type(v), v) for k, v in sorted(static_kw.items()))),)
+        grad = None
+        if differentiable:      # NOTE [pjit under autograd]: a program with a backward
+            if any(_torch.is_vmapped(x) for x in leaves if isinstance(x, torch.Tensor)):
+                raise TypeError(_autograd.VMAP.format(name=self.name))
+            enabled = torch.is_grad_enabled()
+            grad = tuple(enabled and x.requires_grad for x in leaves if isinstance(x, torch.Tensor))
+            if any(grad) or any(_torch.is_functorch_wrapped(x) for x in leaves
+                                if isinstance(x, torch.Tensor)):
+                key = key + (("grad", grad),)
+            else:
+                grad = None
+        return _Signature(mesh, leaves, treedef, static, nums, key, ambient, static_kw, grad)
+
+    def _split_kwargs(self, args, kwargs) -> tuple[dict, dict]:
+        """(static, dynamic) keyword arguments, checked against the signature."""
+        params = self._params
+        if params is not None:
+            for k in kwargs:
+                if k in params.positional[:len(args)]:
+                    raise TypeError(f"{self.name} got multiple values for argument {k!r} "
+                                    f"(positional argument {params.positional.index(k)} and a "
+                                    f"keyword).")
+                if params.keywords is not None and k not in params.keywords:
+                    raise TypeError(
+                        f"{self.name} got an unexpected keyword argument {k!r}; the function "
+                        f"takes ({', '.join(params.names)})."
+                    )
+        static = {k: v for k, v in kwargs.items() if k in self.static_argnames}
+        for k, v in static.items():
+            _check_static_arg(v, f"kwargs[{k!r}]", self.name, "static_argnames")
+        dyn = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        return static, dyn
 
     def _static_argnums_for(self, nargs: int) -> tuple:
-        if all(i >= 0 for i in self.static_argnums) and all(i < nargs for i in self.static_argnums):
-            return self.static_argnums                      # the common case, resolved
-        return _resolve_argnums(self.static_argnums, nargs, self.name, "static_argnums",
-                                f"the call has {nargs} positional args")
+        return _argnums_for(self.static_argnums, nargs, self._params, self.name, "static_argnums")
 
     def _cache(self) -> collections.OrderedDict:
         if self._anchor is None or self._config is None:
@@ -347,9 +470,46 @@ class Pjit:
             while len(cache) > CACHE_SIZE:
                 cache.popitem(last=False)
 
-    def _leaf_specs(self, dyn: tuple, nums: tuple) -> list[tuple[str, Any]]:
-        excluded = " (static_argnums excluded)" if nums else ""
-        return _tree.arg_specs(self.in_specs, dyn, self.name, excluded)
+    def _leaf_specs(self, args: tuple, dyn: tuple, nums: tuple, dyn_kw: dict) -> list[tuple[str, Any]]:
+        """(spec path, spec) for every dynamic leaf, positional args then keywords
+        (NOTE [Keyword arguments])."""
+        specs = self.in_specs
+        if isinstance(specs, dict):                  # by parameter name
+            pos = self._params.positional if self._params is not None else ()
+            out = []
+            for i, a in ((i, a) for i, a in enumerate(args) if i not in nums):
+                if i >= len(pos):
+                    raise TypeError(
+                        f"{self.name}: in_specs is a dict, which names arguments by parameter "
+                        f"name, but positional argument {i} has no name (it goes to *args); "
+                        f"give in_specs as a tuple with one entry per positional argument.")
+                out += _tree.broadcast_prefix(specs.get(pos[i]), a,
+                                              f"{self.name} in_specs[{pos[i]!r}]")
+            kw = {k: specs.get(k) for k in dyn_kw}
+            labels = {k: f"{self.name} in_specs[{k!r}]" for k in dyn_kw}
+        elif _tree.is_spec_leaf(specs):              # one spec for everything
+            out = _tree.arg_specs(specs, dyn, self.name)
+            kw = {k: specs for k in dyn_kw}
+            labels = {k: f"{self.name} in_specs" for k in dyn_kw}
+        else:                                        # one entry per positional parameter
+            specs = tuple(specs) if isinstance(specs, (tuple, list)) else specs
+            excluded = " (static_argnums excluded)" if nums else ""
+            kw, labels = {}, {}
+            if isinstance(specs, tuple) and len(specs) > len(dyn) and self._params is not None:
+                # parameters after the call's positional args, passed by keyword
+                names = [k for i, k in enumerate(self._params.positional) if i not in nums]
+                if len(specs) <= len(names):
+                    for j in range(len(dyn), len(specs)):
+                        kw[names[j]], labels[names[j]] = specs[j], f"{self.name} in_specs[{j}]"
+                    specs = specs[:len(dyn)]
+            out = _tree.arg_specs(specs, dyn, self.name, excluded)
+            for k in dyn_kw:
+                if k not in kw:
+                    kw[k] = None
+                    labels[k] = f"{self.name} default P() for keyword arguments"
+        for k in sorted(dyn_kw):                     # the flatten order of a dict
+            out += _tree.broadcast_prefix(kw.get(k), dyn_kw[k], labels[k])
+        return out
 
     # -- Trace, partition, passes ---------------------------------------------
     def _compile(self, sig: _Signature, args) -> Compiled:
@@ -360,8 +520,14 @@ class Pjit:
             mark = _torch.fx_source_mark()
             keep: tuple = ()
             try:
-                entry = self._build(sig, args)
+                if _torch.functorch_level() > 0:     # called under torch.func.grad etc.
+                    with _torch.clear_functorch_stack():
+                        entry = self._build(sig, args)
+                else:
+                    entry = self._build(sig, args)
                 keep = (entry.global_graph, entry.local_graph)
+                if entry.backward is not None:
+                    keep += (entry.backward.global_graph, entry.backward.local_graph)
             finally:
                 _torch.release_fx_sources(mark, keep)   # NOTE [Bounded caches]
                 _torch.bound_process_caches()
@@ -373,14 +539,16 @@ class Pjit:
         mesh = sig.mesh
         nums = sig.static_argnums
         dyn = tuple(a for i, a in enumerate(args) if i not in nums)
-        leaf_specs = self._leaf_specs(dyn, nums)
-        paths = _dyn_paths(args, nums)
+        dyn_kw = _tree.unflatten(sig.treedef, sig.leaves)[1] if sig.static_kwargs is not None else {}
+        leaf_specs = self._leaf_specs(args, dyn, nums, dyn_kw)
+        paths = _dyn_paths(args, nums, dyn_kw)
         tensor_leaf = [isinstance(x, torch.Tensor) for x in sig.leaves]
 
         in_specs, in_placements, metas, tensor_paths = [], [], [], []
         for x, (spath, spec), apath in zip(sig.leaves, leaf_specs, paths):
             if not isinstance(x, torch.Tensor):
                 continue
+            x = _torch.functorch_base(x)       # under torch.func.grad: the tensor it wraps
             spec = P() if spec is None else spec
             check_spec(spec, x.shape, mesh, f"{spath} (for {apath})")
             if isinstance(x, DTensor) and x.device_mesh != mesh.device_mesh:
@@ -397,9 +565,10 @@ class Pjit:
         flat_fn = self._flat_fn(sig, out_info)
         inputs = [f"{p}: {_fmt_meta(m)}" for p, m in zip(tensor_paths, metas)]
         t0 = time.perf_counter()
-        global_gm = trace_global(flat_fn, metas, self.name, fn=self.fn, inputs=inputs)
+        global_gm = trace_global(flat_fn, metas, self.name, fn=self.fn, inputs=inputs,
+                                 requires_grad=sig.grad)
         times = {"trace": time.perf_counter() - t0}
-        mutated = mutated_inputs(global_gm)
+        mutated = [i for i in mutated_inputs(global_gm) if i < len(tensor_paths)]
         if mutated:
             raise ValueError(
                 f"{self.name}: the function mutates its input {tensor_paths[mutated[0]]} "
@@ -408,44 +577,76 @@ class Pjit:
                 f"its buffers in place (BatchNorm) needs them cloned inside the function "
                 f"and returned (docs/concepts.md, 'Module state')."
             )
+        joint = global_gm.meta.get("joint")
+        backward_gm = None
+        if joint is not None:          # NOTE [pjit under autograd]
+            global_gm, backward_gm = _torch.partition_joint(global_gm, joint.n_out)
 
         out_leaves, out_treedef = out_info["leaves"], out_info["treedef"]
         out_specs = self._out_leaf_specs(out_leaves, out_treedef, mesh)
+        out_paths = [p for p, v in zip(_tree.leaf_paths(_tree.unflatten(out_treedef, out_leaves),
+                                                        "output"), out_leaves)
+                     if isinstance(v, torch.Tensor)]
+        n_out = len(out_specs)
+        out_vals = [n for n in global_gm.graph.nodes if n.op == "output"][0].args[0]
+        n_saved = len(out_vals) - n_out
         n_draws = rewrite_random_ops(global_gm, self.name)
         rng_placements = [to_placements(P(), mesh)] * 2 if n_draws else []  # seed, offset
         for node, path in zip(global_gm.graph.find_nodes(op="placeholder"),
                               tensor_paths + ["rng seed", "rng offset"]):
             node.meta["sharded_path"] = path
         t0 = time.perf_counter()
-        part = self.mode.partition(global_gm, in_placements + rng_placements, out_specs, mesh)
+        part = self.mode.partition(global_gm, in_placements + rng_placements,
+                                   out_specs + [None] * n_saved, mesh)
+        if n_saved:
+            res_specs = _plain_residual_specs(part.out_placements[n_out:], out_vals[n_out:], mesh)
+            if res_specs is not None:       # NOTE [Residual layouts]
+                part = self.mode.partition(global_gm, in_placements + rng_placements,
+                                           out_specs + res_specs, mesh)
+        donated = self._donated_leaves(args, nums, dyn_kw, sig.leaves)
+        donated_local = [tensor_leaf[:j].count(True) for j in donated]
+        placeholders = part.graph.graph.find_nodes(op="placeholder")
+        for k in donated_local:                 # NOTE [Writing into donated inputs]
+            placeholders[k].meta["sharded_donated"] = True
         t1 = time.perf_counter()
         local_gm = self.mode.transform_and_compile(part.graph, mesh)
         times.update(partition=t1 - t0, passes=time.perf_counter() - t1)
+        reused = _reused_inputs(local_gm, donated_local, [paths[j] for j in donated], out_paths
+                                ) if donated else {}
         if part.in_placements is not None:       # the mode laid the inputs out itself
             in_placements = list(part.in_placements[:len(in_placements)])
             in_specs = [from_placements(pl, mesh, m.ndim) for pl, m in zip(in_placements, metas)]
 
-        out_vals = [n for n in global_gm.graph.nodes if n.op == "output"][0].args[0]
         out_dt_specs = [
             _torch.build_dtensor_spec(mesh.device_mesh, pl, v.meta["val"].shape,
                                       v.meta["val"].stride(), v.meta["val"].dtype)
             for v, pl in zip(out_vals, part.out_placements)
         ]
-        out_paths = [p for p, v in zip(_tree.leaf_paths(_tree.unflatten(out_treedef, out_leaves),
-                                                        "output"), out_leaves)
-                     if isinstance(v, torch.Tensor)]
+        backward = None
+        if backward_gm is not None:
+            backward = self._build_backward(
+                backward_gm, joint, part, out_vals, out_dt_specs, out_paths, in_placements,
+                metas, mesh)
         sig_lines = [f"input {p}: {_fmt_meta(m)} {s!r}"
                      for p, m, s in zip(tensor_paths, metas, in_specs)]
         sig_lines += [f"static args[{i}]: {stable_repr(v)}" for i, v in zip(nums, sig.static_args)]
+        sig_lines += [f"static kwargs[{k!r}]: {stable_repr(v)}"
+                      for k, v in sorted((sig.static_kwargs or {}).items())]
         sig_lines += [f"static leaf {p}: {stable_repr(x)}"
                       for p, x in zip(paths, sig.leaves) if not isinstance(x, torch.Tensor)]
-        sig_lines += [f"ambient: {_ambient_text(sig.key[-1])}"]
+        sig_lines += [f"ambient: {_ambient_text(sig.ambient)}"]
         sig_lines += [f"output {p}: {_fmt_meta(v.meta['val'])} {tuple(pl)}"
                       for p, v, pl in zip(out_paths, out_vals, part.out_placements)]
+        if sig.grad is not None:
+            sig_lines += [f"requires grad: {list(sig.grad)}"]
 
         def lines() -> list[str]:
-            return (sig_lines + ["global program:"] + program_lines(global_gm)
-                    + ["local collectives:"] + fingerprint(local_gm, mesh)[1])
+            out = (sig_lines + ["global program:"] + program_lines(global_gm)
+                   + ["local collectives:"] + fingerprint(local_gm, mesh)[1])
+            if backward is not None:
+                out += (["backward program:"] + program_lines(backward.global_graph)
+                        + ["backward collectives:"] + fingerprint(backward.local_graph, mesh)[1])
+            return out
 
         placements = iter(in_placements)
         in_plan = [next(placements) if t else None for t in tensor_leaf]
@@ -455,10 +656,85 @@ class Pjit:
         return Compiled(
             global_graph=global_gm, local_graph=local_gm, runner=self.mode.runner(local_gm, self.name, mesh),
             mesh=mesh, name=self.name, in_plan=in_plan, in_paths=paths, in_specs=in_specs,
-            out_treedef=out_treedef, out_plan=out_plan, out_placements=part.out_placements,
+            out_treedef=out_treedef, out_plan=out_plan,
+            out_placements=part.out_placements[:n_out],
             layouts=part.layouts, n_draws=n_draws,
             rng_device=_mesh_device(mesh) if n_draws else None,
             program=sync.token(*lines()), lines=lines, times=times,
+            differentiable=joint is not None, n_tensor_out=n_out,
+            diff_out=list(joint.diff_out) if joint is not None else [],
+            grad_in=list(joint.grad_in) if joint is not None else [],
+            backward=backward,
+            donated=donated, donated_local=donated_local, reused=reused,
+            donated_msgs=[f"{paths[j]} was donated to {self.name}; use the returned value"
+                          for j in donated],
+        )
+
+    def _donated_leaves(self, args, nums, dyn_kw: dict, leaves: list) -> list[int]:
+        """Indices of the tensor leaves that belong to donated arguments."""
+        if not self.donate_argnums and not self.donate_argnames:
+            return []
+        donate = set(_argnums_for(self.donate_argnums, len(args), self._params, self.name,
+                                  "donate_argnums"))
+        owner = []
+        for i, a in enumerate(args):
+            if i not in nums:
+                owner += [i in donate] * len(_tree.flatten(a)[0])
+        for k in sorted(dyn_kw):                    # the flatten order of a dict
+            owner += [k in self.donate_argnames] * len(_tree.flatten(dyn_kw[k])[0])
+        return [j for j, (d, x) in enumerate(zip(owner, leaves)) if d and isinstance(x, torch.Tensor)]
+
+    def _build_backward(self, gm, joint, fwd, out_vals, out_dt_specs, out_paths, in_placements,
+                        metas, mesh) -> "_autograd.Backward":
+        """Partition the backward global program (NOTE [pjit under autograd]): its
+        inputs are the forward's residuals and the cotangents of the outputs that
+        require grad, laid out as the forward produced them; its outputs are the
+        gradients, laid out as their inputs enter the forward program."""
+        n_out = joint.n_out
+        res_vals = out_vals[n_out:]
+        res_pl = list(fwd.out_placements[n_out:])
+        diff = [i for i in range(n_out) if joint.diff_out[i]]
+        in_pl = res_pl + [fwd.out_placements[i] for i in diff]
+        kinds = (fwd.layouts or {}).get("outputs", {})
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        sources = [(f"residual {v.name}", n_out + k) for k, v in enumerate(res_vals)]
+        sources += [(f"cotangent of {out_paths[i]}", i) for i in diff]
+        for node, (path, k) in zip(placeholders, sources):
+            node.meta["sharded_path"] = path
+            kind = kinds.get(f"output[{k}]")
+            if kind is not None:       # DataParallelMode: batch or state, as in the forward
+                node.meta["sharded_kind"] = kind[0]
+        n_draws = rewrite_random_ops(gm, f"{self.name} backward")
+        rng = [to_placements(P(), mesh)] * 2 if n_draws else []
+        grad_specs = [from_placements(in_placements[i], mesh, metas[i].ndim) for i in joint.grad_in]
+        part = self.mode.partition(gm, in_pl + rng, grad_specs, mesh)
+        local_gm = self.mode.transform_and_compile(part.graph, mesh)
+        got = list(part.in_placements) if part.in_placements is not None else in_pl
+        dm = mesh.device_mesh
+        res_moves = []
+        for v, src, dst in zip(res_vals, res_pl, got):
+            val = v.meta["val"]
+            res_moves.append(None if tuple(src) == tuple(dst) else (
+                _torch.build_dtensor_spec(dm, src, val.shape, val.stride(), val.dtype), tuple(dst)))
+        tan_specs = []
+        for i, dst in zip(diff, got[len(res_vals):]):
+            val = out_vals[i].meta["val"]
+            tan_specs.append(_torch.build_dtensor_spec(dm, dst, val.shape, val.stride(), val.dtype))
+        out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        grad_dt = [
+            _torch.build_dtensor_spec(dm, pl, v.meta["val"].shape, v.meta["val"].stride(),
+                                      v.meta["val"].dtype)
+            for v, pl in zip(out_node.args[0], part.out_placements)
+        ]
+        name = f"{self.name} backward"
+        return _autograd.Backward(
+            global_graph=gm, local_graph=local_gm, runner=self.mode.runner(local_gm, name, mesh),
+            mesh=mesh, name=name, res_moves=res_moves, tan_specs=tan_specs, grad_specs=grad_dt,
+            n_draws=n_draws, rng_device=_mesh_device(mesh) if n_draws else None,
+            program=sync.token(name, *program_lines(gm), *fingerprint(local_gm, mesh)[1]),
+            lines=lambda: [name] + program_lines(gm) + fingerprint(local_gm, mesh)[1],
+            in_specs=[_spec_or_placements(pl, mesh, n.meta["val"].ndim) for pl, n in zip(got, placeholders)],
+            out_placements=list(part.out_placements), layouts=part.layouts,
         )
 
     def _flat_fn(self, sig: _Signature, out_info: dict) -> Callable:
@@ -466,15 +742,18 @@ class Pjit:
         flattens the outputs, recording their structure and static leaves."""
         leaves, treedef = sig.leaves, sig.treedef
         statics = dict(zip(sig.static_argnums, sig.static_args))
+        static_kw = sig.static_kwargs
         fn, name = self.fn, self.name
 
         def flat_fn(*tensors):
             it = iter(tensors)
             filled = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
-            dyn = iter(_tree.unflatten(treedef, filled))
-            n = len(statics) + treedef.num_children
+            tree = _tree.unflatten(treedef, filled)
+            pos, kw = (tree, {}) if static_kw is None else (tree[0], {**static_kw, **tree[1]})
+            dyn = iter(pos)
+            n = len(statics) + len(pos)
             args = [statics[i] if i in statics else next(dyn) for i in range(n)]
-            out = fn(*args)
+            out = fn(*args, **kw)
             out_leaves, out_treedef = _tree.flatten(out)
             for k, v in enumerate(out_leaves):
                 if not isinstance(v, _OUTPUT_LEAVES):
@@ -505,6 +784,106 @@ class Pjit:
             check_spec(spec, v.shape, mesh, f"{spath} (for {opath})")
             specs.append(spec)
         return specs
+
+
+# NOTE [Donation]
+# ``donate_argnums``/``donate_argnames`` name arguments whose DTensors the call
+# consumes, as in JAX: the program may compute its outputs in their storage. pjit
+# marks the donated inputs of the per-rank program (``meta["sharded_donated"]``) before
+# the passes, and ``reinplace_foreach`` (NOTE [Writing into donated inputs] in
+# sharded/passes/inplace.py) turns the update chains that end in an output of the same
+# shape, dtype and strides into in-place ops on the donated storage: a train step
+# updates its parameters and moments in place, and the outputs share storage with
+# the donated inputs (``Lowered.donated`` lists which). After the call, each donated
+# DTensor's local tensor is replaced by one whose every op raises "args[0]['w'] was
+# donated to pjit(step); use the returned value", so a stale read is an error, not
+# old (or overwritten) values; so is passing it to pjit again. Every donated DTensor
+# is consumed, whether or not its storage could be reused (a warning at compile time
+# names those that could not). Plain tensors are never written or consumed: a plain
+# input is the same value on every rank, sliced locally, and stays the caller's. A
+# donated shard that shares memory with another input of the same call is copied
+# first (the program would overwrite what the other input reads).
+
+
+def _separate_donated(locals_: list, donated: list[int]) -> None:
+    """Copy each donated input that overlaps another input's memory (NOTE [Donation])."""
+    spans: dict = {}
+    for k, t in enumerate(locals_):
+        if t.numel():
+            start = t.storage_offset() * t.element_size()
+            spans.setdefault(t.untyped_storage().data_ptr(), []).append(
+                (k, start, start + t.numel() * t.element_size()))
+    for k in donated:
+        t = locals_[k]
+        if not t.numel():
+            continue
+        start = t.storage_offset() * t.element_size()
+        end = start + t.numel() * t.element_size()
+        if any(j != k and a < end and start < b
+               for j, a, b in spans.get(t.untyped_storage().data_ptr(), ())):
+            locals_[k] = t.clone()
+
+
+def _reused_inputs(gm: fx.GraphModule, donated_local: list[int], in_paths: list[str],
+                   out_paths: list[str]) -> dict:
+    """{donated input path: output path that shares its storage, or None}; warns for
+    the donated inputs whose storage no output reuses."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outs: dict = {}
+    for a, path in zip(out_node.args[0], out_paths):     # (not the residuals after them)
+        val = a.meta.get("val") if isinstance(a, fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            outs.setdefault(_torch.storage_key(val), path)
+    reused = {}
+    for k, path in zip(donated_local, in_paths):
+        reused[path] = outs.get(_torch.storage_key(placeholders[k].meta["val"]))
+    unused = [p for p, o in reused.items() if o is None]
+    if unused:
+        warnings.warn(
+            f"pjit: the storage of donated input(s) {unused[:8]}{' ...' if len(unused) > 8 else ''} "
+            f"is not reused: no output of the same shape, dtype and layout is computed from "
+            f"them in place (or an output, or the backward, still reads them). They are "
+            f"consumed by the call all the same.", stacklevel=4)
+    return reused
+
+
+# NOTE [Residual layouts]
+# The forward returns each residual in the layout propagation gives it, so that the
+# backward starts where the forward left off, with no communication in between.
+# A layout no P expresses (DTensor's _StridedShard, from a view that merges two
+# sharded dims) is the exception: its shards may differ in size from rank to rank,
+# which a program traced once for every rank cannot have, and few sharding rules
+# take it. Views are recomputed in the backward (NOTE [Views are recomputed in the
+# backward] in transforms/_trace.py), so a residual rarely has one; if one does, the
+# forward is partitioned again with that residual's strided mesh axes replicated.
+
+
+def _plain_residual_specs(placements: list, vals: list, mesh) -> list | None:
+    """Out specs for the residuals if some residual's layout has no P (NOTE
+    [Residual layouts]): None for each plain one, its layout with the strided mesh
+    axes replicated for the others; None if every layout is plain."""
+    specs: list = []
+    changed = False
+    for pl, v in zip(placements, vals):
+        ndim = v.meta["val"].ndim
+        try:
+            from_placements(pl, mesh, ndim)
+            specs.append(None)
+        except ValueError:
+            plain = tuple(p if type(p) in (Shard, Replicate) else Replicate() for p in pl)
+            specs.append(from_placements(plain, mesh, ndim))
+            changed = True
+    return specs if changed else None
+
+
+def _spec_or_placements(placements, mesh, ndim):
+    """The P of ``placements``, or the placements where no P expresses them (a
+    residual laid out as a _StridedShard)."""
+    try:
+        return from_placements(placements, mesh, ndim)
+    except ValueError:
+        return tuple(placements)
 
 
 def _mesh_device(mesh) -> torch.device:
@@ -559,21 +938,112 @@ def _resolve_argnums(nums: tuple, n: int, api: str, what: str, against: str) -> 
     return tuple(sorted(out))
 
 
+# NOTE [Keyword arguments]
+# A call may pass arguments by keyword. Keywords named in ``static_argnames`` are static
+# (hashable Python values in the cache key, as static_argnums); the others are dynamic
+# inputs like positional ones: their tensors are program inputs, their other leaves
+# static. ``in_specs`` lays them out: a single P covers them too; a tuple covers the
+# positional arguments and keyword tensors are replicated (P()); a dict names arguments
+# by parameter name, positional or keyword, and an argument it does not name is
+# replicated. As in JAX, a name and a position that denote the same parameter (via
+# inspect.signature) are the same argument for static_argnums/static_argnames and for
+# donate_argnums/donate_argnames. Paths in messages read ``kwargs['mask']``.
+
+@dataclass(frozen=True)
+class _Params:
+    positional: tuple            # names of the positional parameters, in order
+    keywords: frozenset | None   # names accepted by keyword (None: the function has **kwargs)
+    names: tuple                 # every parameter, for messages
+    varargs: bool                # the function has *args
+
+
+def _argnums_for(nums: tuple, nargs: int, params: "_Params | None", api: str, what: str) -> tuple:
+    """``nums`` for a call with ``nargs`` positional args: for a function without
+    ``*args`` they were resolved when pjit was called, and those beyond the call's
+    positional args are passed by keyword (or take their default); otherwise they are
+    resolved now, negative ones from the end."""
+    if all(0 <= i < nargs for i in nums):
+        return nums                                  # the common case, resolved
+    if params is not None and not params.varargs:
+        return tuple(i for i in nums if i < nargs)
+    return _resolve_argnums(nums, nargs, api, what, f"the call has {nargs} positional args")
+
+
+def _parameters(fn) -> _Params | None:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    keywords = None if any(p.kind is p.VAR_KEYWORD for p in params) else frozenset(
+        p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    names = tuple(("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "")
+                  + p.name for p in params)
+    return _Params(positional, keywords, names, any(p.kind is p.VAR_POSITIONAL for p in params))
+
+
+def _both(fn, params: _Params | None, nums, names, what: str, api: str) -> tuple[tuple, frozenset]:
+    """``{what}_argnums`` and ``{what}_argnames`` completed from each other through the
+    signature (NOTE [Keyword arguments])."""
+    nums = _argnums(fn, nums, f"{what}_argnums", api)
+    if isinstance(names, str):
+        names = (names,)
+    try:
+        names = tuple(names)
+    except TypeError:
+        raise TypeError(f"{api}: {what}_argnames must be a str or a sequence of str; got {names!r}.") from None
+    for k in names:
+        if not isinstance(k, str):
+            raise TypeError(f"{api}: {what}_argnames must be strs; got {k!r} in {names!r}.")
+        if params is not None and params.keywords is not None and k not in params.keywords \
+                and k not in params.positional:
+            raise ValueError(
+                f"{api}: {what}_argnames has {k!r}, but the function has no parameter of that "
+                f"name; it takes ({', '.join(params.names)})."
+            )
+    if params is None:
+        return nums, frozenset(names)
+    pos = params.positional
+    nums = tuple(sorted(set(nums) | {pos.index(k) for k in names if k in pos}))
+    names = frozenset(names) | {pos[i] for i in nums if 0 <= i < len(pos)}
+    return nums, names
+
+
+def _check_in_specs_names(in_specs, params: _Params | None, static: frozenset, api: str) -> None:
+    if not isinstance(in_specs, dict):
+        return
+    for k in in_specs:
+        if not isinstance(k, str):
+            raise TypeError(f"{api}: in_specs as a dict names arguments by parameter name; "
+                            f"got key {k!r}.")
+        if k in static:
+            raise ValueError(f"{api}: in_specs[{k!r}] names a static argument; static "
+                             f"arguments take no spec.")
+        if params is not None and params.keywords is not None and k not in params.keywords \
+                and k not in params.positional:
+            raise ValueError(
+                f"{api}: in_specs[{k!r}] names no parameter of the function; it takes "
+                f"({', '.join(params.names)})."
+            )
+
+
 _PLAIN_STATIC = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype,
                            torch.device, P})
 _OUTPUT_LEAVES = (torch.Tensor, type(None), bool, int, float, complex, str)
 
 
-def _dyn_paths(args, nums) -> list[str]:
+def _dyn_paths(args, nums, dyn_kw: dict | None = None) -> list[str]:
     paths = []
     for i, a in enumerate(args):
         if i not in nums:
             paths.extend(_tree.leaf_paths(a, f"args[{i}]"))
+    if dyn_kw:
+        paths.extend(_tree.leaf_paths(dyn_kw, "kwargs"))
     return paths
 
 
-def _dyn_path(args, nums, j) -> str:
-    return _dyn_paths(args, nums)[j]
+def _dyn_path(args, nums, dyn_kw, j) -> str:
+    return _dyn_paths(args, nums, dyn_kw)[j]
 
 
 def _holds_tensors(x) -> str | None:
@@ -623,7 +1093,7 @@ def _check_leaf(x, path_of: Callable[[], str], api: str) -> None:
         raise TypeError(f"{api}: {path_of()} is {why}.")
 
 
-def _check_static_arg(v, where: str, api: str) -> None:
+def _check_static_arg(v, where: str, api: str, what: str = "static_argnums") -> None:
     """A static argument is a Python value baked into the program: no tensors."""
     if type(v) in _PLAIN_STATIC:
         return
@@ -632,10 +1102,10 @@ def _check_static_arg(v, where: str, api: str) -> None:
     for k, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor) or _holds_tensors(leaf) is not None:
             paths = paths or _tree.leaf_paths(v, where)
-            what = (f"a tensor of shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor)
+            kind = (f"a tensor of shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor)
                     else _holds_tensors(leaf))
             raise TypeError(
-                f"{api}: {paths[k]} is static (static_argnums) but is {what}. Static "
+                f"{api}: {paths[k]} is static ({what}) but is {kind}. Static "
                 f"arguments are Python values baked into the program (each new one traces "
                 f"again); pass tensors as regular arguments with an in_specs entry."
             )
@@ -674,6 +1144,11 @@ def _unhashable(sig: _Signature) -> str:
             hash(v)
         except TypeError:
             return f"static argument {type(v).__name__} {v!r:.80}"
+    for k, v in (sig.static_kwargs or {}).items():
+        try:
+            hash(v)
+        except TypeError:
+            return f"static kwargs[{k!r}] (static_argnames), {type(v).__name__} {v!r:.80}"
     return "the arguments"
 
 

@@ -68,7 +68,7 @@ def expand(graph: fx.GraphModule, in_placements: Sequence[tuple], out_specs: Seq
     with _torch.new_fake_mode():
         local_inputs = [
             torch.empty(
-                local_shape(m.shape, from_placements(pl, mesh, m.ndim), mesh),
+                _local_shape(m, pl, mesh),
                 dtype=m.dtype, device=m.device if m.device.type != "meta" else "cpu",
             )
             for m, pl in zip(metas, in_placements)
@@ -97,6 +97,13 @@ def expand(graph: fx.GraphModule, in_placements: Sequence[tuple], out_specs: Seq
     with _torch.dtensor_caches_while_tracing():
         local = make_fx(run_local, tracing_mode="fake")(*local_inputs)
     return Partitioned(local, list(out_placements))
+
+
+def _local_shape(meta, placements, mesh) -> tuple:
+    try:
+        return local_shape(meta.shape, from_placements(placements, mesh, meta.ndim), mesh)
+    except ValueError:   # a layout no spec expresses (_StridedShard: a residual of pjit's forward)
+        return _torch.local_shape_of(meta.shape, placements, mesh.device_mesh)
 
 
 class Expander(fx.Interpreter):

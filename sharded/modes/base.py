@@ -26,8 +26,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Placement
 
 from sharded.modes._runner import make_runner
-from sharded.passes import (bucket_all_reduces, cse, dce, reinplace_foreach, remove_identity_views,
-                            remove_trivial_collectives, sink_waits)
+from sharded.passes import (bucket_all_reduces, cse, dce, hoist_reductions, reinplace_foreach,
+                            remove_identity_views, remove_trivial_collectives, sink_waits)
 
 
 class ShardingRuleError(NotImplementedError):
@@ -72,7 +72,7 @@ class ParallelMode(abc.ABC):
         the optimizer's multi-tensor ops in place where nothing else reads their
         inputs."""
         graph = cse(dce(remove_identity_views(remove_trivial_collectives(graph))))
-        graph = reinplace_foreach(sink_waits(bucket_all_reduces(graph)))
+        graph = reinplace_foreach(sink_waits(bucket_all_reduces(hoist_reductions(graph))))
         graph.recompile()
         return graph
 

@@ -49,7 +49,7 @@ from sharded.modes._runner import check_compile
 from sharded.modes.base import ParallelMode, Partitioned
 from sharded.modes.dtensor_expand import _ADDITIVE, _LINEAR_IN_PARTIAL, reduce_where_produced
 from sharded.passes import (DEFAULT_BUCKET_BYTES, bucket_all_gathers, bucket_all_reduces,
-                            bucket_reduce_scatters, cse, dce, prefetch_all_gathers,
+                            bucket_reduce_scatters, cse, dce, hoist_reductions, prefetch_all_gathers,
                             reinplace_foreach, remove_identity_views, remove_trivial_collectives,
                             sink_waits)
 from sharded.spec import P, from_placements, to_placements
@@ -129,10 +129,17 @@ class DataParallelMode(ParallelMode):
 
     def _check_batch_inputs(self, placeholders, in_placements, mesh, dp) -> set:
         """The batch inputs (their spec names the axis); they must agree on the size of
-        the batch they split."""
+        the batch they split. An input whose ``meta["sharded_kind"]`` says what it is
+        (pjit's backward program: a residual or cotangent of the forward, which the
+        forward's analysis classified) is taken as that kind."""
         batch, sizes = set(), {}
         for n, pl in zip(placeholders, in_placements):
             p = pl[dp]
+            kind = n.meta.get("sharded_kind")
+            if kind is not None:
+                if kind == "batch" and isinstance(p, Shard):
+                    batch.add(n)
+                continue
             if isinstance(p, Shard):
                 batch.add(n)
                 sizes[n] = (p.dim, n.meta["val"].shape[p.dim])
@@ -168,7 +175,7 @@ class DataParallelMode(ParallelMode):
         [Overlap]): gradient reductions bucketed in backward order (all-reduces, or
         reduce-scatters for ``"shard"``), parameter gathers bucketed in use order and
         prefetched ``prefetch`` buckets ahead, waits sunk to the first use."""
-        graph = cse(dce(remove_identity_views(remove_trivial_collectives(graph))))
+        graph = hoist_reductions(cse(dce(remove_identity_views(remove_trivial_collectives(graph)))))
         if self.param_sharding == "shard":
             graph = bucket_reduce_scatters(graph, self.bucket_bytes)
             graph = bucket_all_gathers(graph, self.bucket_bytes)
@@ -265,7 +272,8 @@ class _DataParallelPolicy(LayoutPolicy):
         out_node = next(iter(n for n in reversed(ex.module.graph.nodes) if n.op == "output"))
         node = out_node.args[0][index]
         reduced = [Replicate() if _torch.is_partial(p) else p for p in value.placements]
-        if isinstance(node, fx.Node) and self.is_batch(ex, node):
+        # (``value``, not ``ex.env``: the interpreter has freed the values by now)
+        if isinstance(node, fx.Node) and node in self.batch and isinstance(self._dp(value), Shard):
             return tuple(reduced)
         return self.mode.state_placements(value.shape, reduced, self.mesh, self.dp)
 
@@ -333,8 +341,11 @@ class _DataParallelPolicy(LayoutPolicy):
         return {"inputs": inputs, "outputs": outputs}
 
 
-def _spec(placements, mesh, ndim) -> P:
-    return from_placements(placements, mesh, ndim)
+def _spec(placements, mesh, ndim):
+    try:
+        return from_placements(placements, mesh, ndim)
+    except ValueError:   # a layout no spec expresses (_StridedShard: a residual of pjit's forward)
+        return tuple(placements)
 
 
 def _has_partial(x) -> bool:

@@ -226,6 +226,32 @@ def _move(node, anchor: fx.Node, order: dict) -> bool:
     return True
 
 
+def hoist_reductions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Issue each all-reduce and reduce-scatter as soon as its input exists (NOTE
+    [Overlap]), keeping their order: a reduction that the expansion emitted where an
+    output is laid out (a gradient of pjit's backward program, reduced to its
+    parameter's layout at the end) moves back to where the gradient is produced, so
+    the bucketing pass can merge the reductions and the rest of the program overlaps
+    them. Its wait stays where it is. Gathers are not hoisted (that would gather
+    every parameter at once; ``prefetch_all_gathers`` schedules them)."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    anchor = inputs[-1] if inputs else None    # then the previous reduction: order kept
+    for n in nodes:
+        if n.op != "call_function" or n.target not in (_ALL_REDUCE, _REDUCE_SCATTER):
+            continue
+        last = max(n.all_input_nodes + ([anchor] if anchor is not None else []),
+                   key=lambda a: pos[a])
+        if last.op == "placeholder":
+            last = inputs[-1]
+        if last.next is not n:
+            last.append(n)
+            pos[n] = pos[last] + 0.5
+        anchor = n
+    return gm
+
+
 def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
     """Move each ``wait_tensor`` to just before the first use of its result."""
     nodes = list(gm.graph.nodes)
