@@ -140,8 +140,15 @@ def dtensor_spec(dt: DTensor):
     return dt._spec
 
 
+_DTENSOR_NEW = getattr(torch.Tensor, "_dtensor__new__", None)
+
+
 def make_dtensor(local: torch.Tensor, spec) -> DTensor:
-    """Wrap ``local`` with a precomputed DTensorSpec (no checks, no autograd)."""
+    """Wrap ``local`` with a precomputed DTensorSpec (no checks, no autograd). Calls
+    DTensor's C++ constructor directly: ``DTensor(...)`` also runs an ``__init__``
+    that does nothing but costs a dynamo-disable wrapper per call (2.0 -> 0.8 us)."""
+    if _DTENSOR_NEW is not None:
+        return _DTENSOR_NEW(DTensor, local, spec, requires_grad=local.requires_grad)
     return DTensor(local, spec, requires_grad=local.requires_grad)
 
 

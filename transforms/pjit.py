@@ -228,7 +228,10 @@ class Compiled:
                 if leaf.placements != pl:
                     leaf = leaf.redistribute(dm, pl)
                 # the program was traced on contiguous shards (views inside it assume so)
-                locals_.append(_torch.local_tensor(leaf).detach().contiguous())
+                t = _torch.local_tensor(leaf)
+                if t.requires_grad:
+                    t = t.detach()
+                locals_.append(t if t.is_contiguous() else t.contiguous())
             else:
                 locals_.append(local_slice(leaf.detach(), pl, self.mesh))
         if self.donated:
@@ -382,7 +385,7 @@ class Pjit:
             if isinstance(x, torch.Tensor):
                 if x.requires_grad or _torch.is_functorch_wrapped(x):
                     differentiable = True
-                leaf_keys.append((tuple(x.shape), x.dtype, x.device.type))
+                leaf_keys.append((x.shape, x.dtype, x.device.type))   # (a Size is a tuple)
             else:
                 if type(x) not in _PLAIN_STATIC:
                     _check_leaf(x, functools.partial(_dyn_path, args, nums, dyn_kw, j), self.name)
