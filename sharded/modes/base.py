@@ -73,6 +73,7 @@ class ParallelMode(abc.ABC):
         inputs."""
         graph = cse(dce(remove_identity_views(remove_trivial_collectives(graph))))
         graph = reinplace_foreach(sink_waits(bucket_all_reduces(hoist_reductions(graph))))
+        graph.graph.lint()      # a pass that moved a node before its input fails here
         graph.recompile()
         return graph
 

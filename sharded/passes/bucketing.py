@@ -247,7 +247,10 @@ def hoist_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             last = inputs[-1]
         if last.next is not n:
             last.append(n)
-            pos[n] = pos[last] + 0.5
+            # exact positions again: fractional ones (pos[last] + 0.5) collide once
+            # several reductions move behind one node, and a later reduction could
+            # then be placed before its own input
+            pos = {m: i for i, m in enumerate(gm.graph.nodes)}
         anchor = n
     return gm
 
