@@ -17,6 +17,10 @@ Modes (every one: forward, backward, AdamW):
   pjit_ddp_donated, pjit_fsdp_donated
              pjit_ddp / pjit_fsdp with donate_argnums=(0, 1): parameters and moments
              updated in the donated storage (peak memory against the undonated rows)
+  pjit_ddp_inductor, pjit_fsdp_inductor
+             pjit_ddp / pjit_fsdp with compile=True (inductor; the other pjit rows run
+             the graph, compile=False); time only (their compile would dominate the
+             peak-memory window)
 
 Every rank gets ``cpu_count // world`` intra-op threads (one each on the 2-core
 machine). The modes are warmed up, then timed round-robin (one step of each per
@@ -51,9 +55,10 @@ from benchmarks._models import git_rev  # noqa: E402
 from examples import gpt  # noqa: E402
 from sharded import launch  # noqa: E402
 
-MODES = ("single", "ddp", "pjit_ddp", "fsdp2", "pjit_fsdp", "pjit_loop", "pjit_ddp_donated",
-         "pjit_fsdp_donated")
-RATIOS = (("pjit_ddp", "ddp"), ("pjit_fsdp", "fsdp2"), ("ddp", "single"), ("fsdp2", "single"),
+MODES = ("single", "ddp", "pjit_ddp", "pjit_ddp_inductor", "fsdp2", "pjit_fsdp",
+         "pjit_fsdp_inductor", "pjit_loop", "pjit_ddp_donated", "pjit_fsdp_donated")
+RATIOS = (("pjit_ddp", "ddp"), ("pjit_fsdp", "fsdp2"), ("pjit_ddp_inductor", "ddp"),
+          ("pjit_fsdp_inductor", "fsdp2"), ("ddp", "single"), ("fsdp2", "single"),
           ("pjit_loop", "ddp"), ("pjit_ddp_donated", "pjit_ddp"), ("pjit_fsdp_donated", "pjit_fsdp"))
 MEM_RATIOS = (("pjit_ddp", "ddp"), ("pjit_fsdp", "fsdp2"), ("pjit_loop", "ddp"),
               ("pjit_ddp_donated", "pjit_ddp"), ("pjit_fsdp_donated", "pjit_fsdp"))
@@ -129,7 +134,7 @@ def _build(mode: str, spec: dict, world: int, rank: int):
 
         mesh = Mesh((world,), ("dp",))
         loss_fn = pjit(spec["loss_fn"], in_specs=(P(), P("dp"), P("dp")), out_specs=P(),
-                       mesh=mesh, mode=DataParallelMode("replicate"))
+                       mesh=mesh, mode=DataParallelMode("replicate", compile=False))
         params = optree.tree_map(lambda t: t.requires_grad_(),
                                  shard(optree.tree_map(torch.clone, spec["params"]), P(), mesh))
         opt = torch.optim.AdamW(optree.tree_leaves(params), lr=1e-3, weight_decay=1e-2)
@@ -145,7 +150,7 @@ def _build(mode: str, spec: dict, world: int, rank: int):
         mesh = Mesh((world,), ("dp",))
         layout = "replicate" if mode.startswith("pjit_ddp") else "shard"
         donate = (0, 1) if mode.endswith("_donated") else ()
-        mode = DataParallelMode(layout, compile=False)   # the graph runner: compared as such
+        mode = DataParallelMode(layout, compile=mode.endswith("_inductor"))   # (not "auto")
         f = pjit(spec["step"], in_specs=(P(), P(), P("dp"), P("dp")), mesh=mesh, mode=mode,
                  donate_argnums=donate)
         init = pjit(optim.adamw_init, in_specs=P(), mesh=mesh, mode=mode)   # born sharded
@@ -195,6 +200,9 @@ def _rank_main(a: dict) -> dict:
         res: dict = {"times": {}, "peak_bytes": {}, "loss0": {}}
         # memory: each mode built and run alone, from nothing, inside the window
         for mode in a["modes"]:
+            if mode.endswith("_inductor"):
+                continue
+
             def window():
                 step, st = _build(mode, spec, world, rank)
                 step()
@@ -266,7 +274,8 @@ def main(argv=None):
               "threads_per_rank": threads, "cpu_count": os.cpu_count(), "config": a, "models": {}}
     for name in a["models"]:
         ms = {m: max(statistics.median(r[name]["times"][m]) for r in per_rank) * 1e3 for m in a["modes"]}
-        peak = {m: max(r[name]["peak_bytes"][m] for r in per_rank) for m in a["modes"]}
+        peak = {m: max(r[name]["peak_bytes"][m] for r in per_rank) for m in a["modes"]
+                if m in per_rank[0][name]["peak_bytes"]}
         ratios = {f"{n}/{d}": ms[n] / ms[d] for n, d in RATIOS if n in ms and d in ms}
         mem_ratios = {f"{n}/{d}": peak[n] / peak[d] for n, d in MEM_RATIOS
                       if n in peak and d in peak and peak[d]}
@@ -274,7 +283,8 @@ def main(argv=None):
               f"interleaved rounds after {args.warmup} warmup")
         print(f"{'mode':<18}{'ms/step':>9}{'peak MiB':>10}{'loss@0':>10}")
         for m in a["modes"]:
-            print(f"{m:<18}{ms[m]:>9.1f}{peak[m] / 2**20:>10.2f}{per_rank[0][name]['loss0'][m]:>10.4f}")
+            mib = f"{peak[m] / 2**20:.2f}" if m in peak else "-"
+            print(f"{m:<18}{ms[m]:>9.1f}{mib:>10}{per_rank[0][name]['loss0'][m]:>10.4f}")
         print("time ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
         print("peak memory ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in mem_ratios.items()))
         for m, c in per_rank[0][name]["cost"].items():
