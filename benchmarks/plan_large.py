@@ -62,7 +62,7 @@ def plan(name: str, spec: dict, layouts: list[str], rank: int) -> list[dict]:
     ps = gpt.tp_specs(params)
     rows = []
     for layout in layouts:
-        mode = None if layout == "tp" else DataParallelMode("shard")
+        mode = None if layout == "tp" else DataParallelMode("shard", bucket_bytes=25 << 20)
         f = pjit(gpt.train_step, in_specs=(ps, gpt.opt_specs(ps), P("dp"), P("dp")),
                  mesh=mesh, static_argnums=(4,), mode=mode)
         t0 = time.perf_counter()
