@@ -632,7 +632,8 @@ def abstract_device_mesh(shape, axis_names, rank: int, device_type: str):
 
 
 def is_compile_failure(e: BaseException) -> bool:
-    """Did ``torch.compile`` fail to compile (before the compiled code ran)?"""
-    from torch._dynamo.exc import BackendCompilerFailed
+    """Did ``torch.compile`` fail to compile (dynamo or inductor raised; asked of an
+    error from the first call of the compiled function, before its code ran)?"""
+    from torch._dynamo.exc import TorchDynamoException
 
-    return isinstance(e, BackendCompilerFailed)
+    return isinstance(e, TorchDynamoException)

@@ -88,7 +88,7 @@ def _fusable(*lists) -> bool:
     sharding strategy for the functional kernel is broken in torch 2.13: NOTE [Fused
     optimizer kernels] in sharded/modes/_expand.py)?"""
     tensors = [t for xs in lists for t in xs]
-    if not tensors or any(_torch.is_dtensor(t) for t in tensors):
+    if not tensors or any(_torch.is_dtensor(_torch.functorch_base(t)) for t in tensors):
         return False
     dtype, device = tensors[0].dtype, tensors[0].device
     return (dtype.is_floating_point and device.type in ("cpu", "cuda", "meta")

@@ -44,7 +44,7 @@ def test_auto_keeps_small_programs_as_graphs():
     low = f.lower(x)
     assert _runner.compute_ops(low.local_graph) < _runner.compile_min_ops()
     runner = low._c.runner
-    assert runner._next_check == -1                    # never compiles
+    assert runner.state.next_check == -1               # never compiles
     for _ in range(3):
         torch.testing.assert_close(gather(f(x)), _tiny(x))
     assert low.runner() == "graph" and low.compile_times()["inductor"] is None
@@ -164,3 +164,77 @@ def test_inductor_runs_the_backward_program_too():
     grads = torch.func.grad(lambda q: f(q, x))(shard(p, P(), mesh))
     for k in p:
         torch.testing.assert_close(grads[k].full_tensor(), ref[k].grad)
+
+
+def _evicted_and_rebuilt(tmp):
+    """On every rank, with a cache of 1 program and "auto" switching at the second
+    check: rank 0 alone evicts and rebuilds the program (it lowers another signature
+    in between); its runner keeps the call count, so both ranks ask "compile now?" at
+    the same calls and switch together (a reset count once desynchronised the
+    decision's all-reduce from the agreement's: a hang)."""
+    import torch.distributed as dist
+
+    import importlib
+
+    pjit_module = importlib.import_module("transforms.pjit")
+
+    first, _runner.FIRST_CHECK = _runner.FIRST_CHECK, 2
+    size, pjit_module.CACHE_SIZE = pjit_module.CACHE_SIZE, 1
+    os.environ["SHARDED_COMPILE_BUDGET"] = "1e-9"
+    os.environ["SHARDED_COMPILE_MIN_OPS"] = "0"
+    try:
+        mesh = Mesh((2,), ("dp",))
+        f = pjit(_evict_fn, in_specs=P("dp"), mesh=mesh)
+        x, other = torch.arange(8.0), torch.arange(16.0)
+        kinds = []
+        for i in range(5):
+            if i == 1 and dist.get_rank() == 0:
+                f.lower(other)             # evicts x's program on rank 0 only
+            torch.testing.assert_close(gather(f(x)), _evict_fn(x))
+            kinds.append(f.lower(x).runner())
+        return kinds
+    finally:
+        _runner.FIRST_CHECK, pjit_module.CACHE_SIZE = first, size
+        del os.environ["SHARDED_COMPILE_BUDGET"], os.environ["SHARDED_COMPILE_MIN_OPS"]
+
+
+def _evict_fn(x):
+    return (x * 2 + 1).sum()
+
+
+def test_a_rank_that_rebuilds_a_program_stays_in_step(on_ranks):
+    kinds = on_ranks(2, _evicted_and_rebuilt, None)
+    assert kinds[0] == kinds[1] == ["graph", "graph", "inductor", "inductor", "inductor"], kinds
+
+
+def test_donated_adamw_step_compiles_with_inductor():
+    """compile=True with donation: the fused AdamW stays functional for inductor (its
+    in-place form on donated inputs does not compile in torch 2.13: the compile once
+    failed and fell back to the graph), so the parameters are not updated in the
+    donated storage; values equal the graph's. "auto" keeps the donated in-place
+    program a graph."""
+    import warnings
+
+    mesh = Mesh((1,), ("dp",))
+    params = dpm.init()
+    ids, targets = dpm.batch()
+    outs = {}
+    for name, compile in (("graph", False), ("inductor", True)):
+        step = pjit(dpm.train_step, in_specs=dpm._specs(False), mesh=mesh,
+                    mode=DataParallelMode("replicate", compile=compile), donate_argnums=(0, 1))
+        p = {k: v.clone() for k, v in params.items()}
+        o = optim.adamw_init(p)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                p, o, loss = step(p, o, ids, targets)
+        assert not [w for w in caught if "could not compile" in str(w.message)]
+        outs[name] = (gather(p), gather(loss))
+        low = step.lower(p, o, ids, targets)
+        assert low.runner() == name
+    torch.testing.assert_close(outs["inductor"], outs["graph"], rtol=1e-5, atol=1e-6)
+    auto = pjit(dpm.train_step, in_specs=dpm._specs(False), mesh=mesh,
+                mode=DataParallelMode("replicate"), donate_argnums=(0, 1))
+    p = {k: v.clone() for k, v in params.items()}
+    low = auto.lower(p, optim.adamw_init(p), ids, targets)
+    assert low._c.runner.state.next_check == -1      # never compiles

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from sharded import _torch, _tree, random as srandom, sync
 from sharded.mesh import Mesh, current_mesh
 from sharded.modes import DTensorExpandMode, ParallelMode
+from sharded.modes._runner import RunState
 from sharded.passes import fingerprint
 from sharded.random.rewrite import rewrite_random_ops
 from sharded.spec import P, check_spec, from_placements, local_slice, to_placements
@@ -116,6 +117,11 @@ def pjit(
 
 CACHE_SIZE = int(os.environ.get("SHARDED_CACHE_SIZE", "64"))
 _PROGRAMS: "weakref.WeakKeyDictionary[Any, collections.OrderedDict]" = weakref.WeakKeyDictionary()
+# Per function, per program key: its runner's RunState (NOTE [Runners]), which outlives
+# the cache entry: a rank that evicts a program and rebuilds it keeps its call count,
+# so the ranks' "compile now?" questions stay at the same calls. Bounded (oldest out).
+_RUN_STATES: "weakref.WeakKeyDictionary[Any, collections.OrderedDict]" = weakref.WeakKeyDictionary()
+_RUN_STATES_SIZE = 4096
 _CACHE_LOCK = threading.RLock()
 _COMPILE_LOCK = threading.RLock()
 
@@ -322,6 +328,7 @@ class Pjit:
         except TypeError:
             self._config = None
         self._own_cache: collections.OrderedDict = collections.OrderedDict()
+        self._own_states: collections.OrderedDict = collections.OrderedDict()
         # Programs this object has used (traced, or found in the cache when another
         # pjit of the same function traced them): one per signature, so a count that
         # grows with the calls means retracing.
@@ -363,7 +370,7 @@ class Pjit:
         a differentiable call (inputs that require grad) ``.backward`` is the
         backward program's ``Lowered``."""
         sig = self._signature(args, kwargs, current_mesh(self.mesh, self.name))
-        entry = self._lookup(sig) or self._compile(sig, args)
+        entry = self._lookup(sig, touch=False) or self._compile(sig, args)
         return Lowered(entry, self.name)
 
     # -- Checks and cache key ------------------------------------------------
@@ -440,11 +447,26 @@ class Pjit:
             per_fn = _PROGRAMS[anchor] = collections.OrderedDict()
         return per_fn
 
+    def _run_state(self, key: tuple) -> RunState:
+        with _CACHE_LOCK:
+            if self._anchor is None or self._config is None:
+                table = self._own_states
+            else:
+                table = _RUN_STATES.get(self._anchor[0])
+                if table is None:
+                    table = _RUN_STATES[self._anchor[0]] = collections.OrderedDict()
+            state = table.get(key)
+            if state is None:
+                state = table[key] = RunState()
+                while len(table) > _RUN_STATES_SIZE:
+                    table.popitem(last=False)
+            return state
+
     def _full_key(self, sig: _Signature) -> tuple:
         sub = self._anchor[1] if self._anchor is not None else None
         return (sub, self._config, sig.key)
 
-    def _lookup(self, sig: _Signature) -> Compiled | None:
+    def _lookup(self, sig: _Signature, touch: bool = True) -> Compiled | None:
         with _CACHE_LOCK:
             cache = self._cache()
             key = self._full_key(sig)
@@ -457,7 +479,8 @@ class Pjit:
                     f"or a frozen dataclass."
                 ) from None
             if entry is not None:
-                cache.move_to_end(key)
+                if touch:          # (``lower`` runs nothing: it leaves the LRU order alone)
+                    cache.move_to_end(key)
                 self._count(entry)
             return entry
 
@@ -629,7 +652,7 @@ class Pjit:
         if backward_gm is not None:
             backward = self._build_backward(
                 backward_gm, joint, part, out_vals, out_dt_specs, out_paths, in_placements,
-                metas, mesh)
+                metas, mesh, state=self._run_state(self._full_key(sig) + ("backward",)))
         sig_lines = [f"input {p}: {_fmt_meta(m)} {s!r}"
                      for p, m, s in zip(tensor_paths, metas, in_specs)]
         sig_lines += [f"static args[{i}]: {stable_repr(v)}" for i, v in zip(nums, sig.static_args)]
@@ -657,7 +680,8 @@ class Pjit:
         out_plan = [("static", v) if not isinstance(v, torch.Tensor) else ("dtensor", next(dt_specs))
                     for v in out_leaves]
         return Compiled(
-            global_graph=global_gm, local_graph=local_gm, runner=self.mode.runner(local_gm, self.name, mesh),
+            global_graph=global_gm, local_graph=local_gm, runner=self.mode.runner(local_gm, self.name, mesh,
+                                                            self._run_state(self._full_key(sig))),
             mesh=mesh, name=self.name, in_plan=in_plan, in_paths=paths, in_specs=in_specs,
             out_treedef=out_treedef, out_plan=out_plan,
             out_placements=part.out_placements[:n_out],
@@ -688,7 +712,7 @@ class Pjit:
         return [j for j, (d, x) in enumerate(zip(owner, leaves)) if d and isinstance(x, torch.Tensor)]
 
     def _build_backward(self, gm, joint, fwd, out_vals, out_dt_specs, out_paths, in_placements,
-                        metas, mesh) -> "_autograd.Backward":
+                        metas, mesh, state=None) -> "_autograd.Backward":
         """Partition the backward global program (NOTE [pjit under autograd]): its
         inputs are the forward's residuals and the cotangents of the outputs that
         require grad, laid out as the forward produced them; its outputs are the
@@ -731,7 +755,7 @@ class Pjit:
         ]
         name = f"{self.name} backward"
         return _autograd.Backward(
-            global_graph=gm, local_graph=local_gm, runner=self.mode.runner(local_gm, name, mesh),
+            global_graph=gm, local_graph=local_gm, runner=self.mode.runner(local_gm, name, mesh, state),
             mesh=mesh, name=name, res_moves=res_moves, tan_specs=tan_specs, grad_specs=grad_dt,
             n_draws=n_draws, rng_device=_mesh_device(mesh) if n_draws else None,
             program=sync.token(name, *program_lines(gm), *fingerprint(local_gm, mesh)[1]),

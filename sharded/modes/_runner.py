@@ -19,13 +19,29 @@ Every mode takes ``compile=``:
   training run pays it once and runs compiled code for the thousands of steps after.
   Programs of fewer than ``SHARDED_COMPILE_MIN_OPS`` compute ops (default 32) gain
   nothing from fusion and stay graphs. The ranks decide together: their clocks
-  differ, so at calls 16, 32, 64, ... (every rank runs each program the same number
+  differ, so at calls 1, 2, 4, 8, ... (every rank runs each program the same number
   of times) they all-reduce "my budget is spent" (MAX, one tiny collective over the
-  agreement's group) and switch at the same call.
+  agreement's group) and switch at the same call. pjit keeps each program's count and
+  decision across rebuilds of its cache entry, so a rank that evicted and rebuilt a
+  program stays in step with the others (and runs the compiled code again if they
+  do).
 
 Measured on the 2-core CPU machine (benchmarks/README.md): inductor takes the MLP
 8x1024 data-parallel step from 1.05x DDP's time to 0.63x, a small GPT's from 1.03x to
 0.93x; it compiles in 10-80 s cold and 6-13 s with warm caches.
+
+A donated optimizer step runs torch's fused AdamW in place on its donated inputs,
+which inductor in torch 2.13 cannot compile ("mutating a non-functional tensor with a
+functional tensor"): "auto" keeps such a program a graph (donation already removed
+its copies), and ``compile=True`` keeps the fused AdamW functional (the parameters and
+moments then get fresh storage; the donated inputs are still consumed).
+
+Limits: the compile happens inside the first compiled call, so a rank whose compile
+takes longer than ``SHARDED_SYNC_TIMEOUT`` (300 s) past the others' makes them time
+out in the next call's agreement; and a compile that fails on one rank only (a
+compiler killed for memory) leaves that rank on the graph while the others run
+inductor's code, whose collective order may differ. Compiling ahead of the first
+run, on fake inputs, and agreeing on the outcome would close both.
 
 If the compile fails (no C++ compiler on the machine, an op inductor cannot lower),
 the runner warns once and keeps the graph: the failure comes before any compiled code
@@ -40,6 +56,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -77,16 +94,32 @@ def compute_ops(graph: fx.GraphModule) -> int:
                and getattr(n.target, "__name__", "") != "getitem")
 
 
-def make_runner(graph: fx.GraphModule, compile, name: str = "pjit", mesh=None):
-    """What runs ``graph`` each call, for ``compile`` (NOTE [Runners])."""
+def make_runner(graph: fx.GraphModule, compile, name: str = "pjit", mesh=None,
+                state: "RunState | None" = None):
+    """What runs ``graph`` each call, for ``compile`` (NOTE [Runners]). ``state``
+    carries the call count and the decision across rebuilds of the same program
+    (pjit keeps one per program key: an entry evicted from its cache on one rank
+    only must not restart that rank's count)."""
     if compile is False:
         return graph
+    state = state if state is not None else RunState()
     if compile is True:
-        return Runner(graph, name, mesh, budget=0.0, min_ops=0)
-    return Runner(graph, name, mesh, budget=compile_budget(), min_ops=compile_min_ops())
+        return Runner(graph, name, mesh, state, budget=0.0, min_ops=0)
+    return Runner(graph, name, mesh, state, budget=compile_budget(), min_ops=compile_min_ops())
 
 
-FIRST_CHECK = 16      # "auto" asks at calls 16, 32, 64, ...
+FIRST_CHECK = 1       # "auto" asks at calls 1, 2, 4, 8, ...
+
+
+@dataclass
+class RunState:
+    """A program's runs on this rank, kept across rebuilds of its runner: the ranks
+    run each program the same number of times, so these agree across ranks."""
+
+    calls: int = 0
+    graph_seconds: float = 0.0     # spent running the graph
+    next_check: int | None = None  # the call that asks next; -1: never
+    decided: str | None = None     # "inductor" or "graph (compile failed)", once decided
 
 
 class Runner:
@@ -94,25 +127,33 @@ class Runner:
     seconds (0: from the first call), then inductor's code; programs of fewer than
     ``min_ops`` compute ops stay graphs. The ranks of ``mesh`` decide together."""
 
-    def __init__(self, graph: fx.GraphModule, name: str, mesh, *, budget: float, min_ops: int):
+    def __init__(self, graph: fx.GraphModule, name: str, mesh, state: RunState, *,
+                 budget: float, min_ops: int):
         self.graph = graph
         self.name = name
         self.mesh = mesh
         self.budget = budget
-        self.calls = 0
-        self.graph_seconds = 0.0       # spent running the graph
+        self.state = state
         self.kind = "graph"            # "graph", "inductor" or "graph (compile failed)"
         self.compile_seconds: float | None = None   # inductor's compile (its first call)
         self._compiled = None
-        self._next_check = 0 if budget <= 0 else FIRST_CHECK
-        if compute_ops(graph) < min_ops:
-            self._next_check = -1      # never
+        self._compile_now = state.decided == "inductor"   # rebuilt after the switch
+        if state.next_check is None:
+            state.next_check = 0 if budget <= 0 else FIRST_CHECK
+            if compute_ops(graph) < min_ops or (budget > 0 and _fused_inplace(graph)):
+                state.next_check = -1      # never
+        if state.decided is not None and state.decided != "inductor":
+            self.kind = state.decided
+
+    @property
+    def calls(self) -> int:
+        return self.state.calls
 
     def _worth_compiling(self) -> bool:
         """Has the graph run for ``budget`` seconds on some rank? Every rank asks at
         the same call (the ranks run each program the same number of times) and gets
-        the same answer (one small all-reduce at calls 16, 32, 64, ...)."""
-        want = self.graph_seconds >= self.budget
+        the same answer (one small all-reduce at calls 1, 2, 4, 8, ...)."""
+        want = self.state.graph_seconds >= self.budget
         group = sync.group_for(self.mesh) if self.mesh is not None else None
         if group is not None:
             flag = torch.tensor([int(want)])
@@ -121,15 +162,18 @@ class Runner:
         return want
 
     def __call__(self, *args):
+        st = self.state
         first = False
-        if self.calls == self._next_check:
-            self._next_check *= 2
-            if self.budget <= 0 or self._worth_compiling():
+        if self._compile_now or st.calls == st.next_check:
+            if not self._compile_now:
+                st.next_check *= 2
+            if self._compile_now or self.budget <= 0 or self._worth_compiling():
                 self._compiled = torch.compile(self.graph, backend="inductor", fullgraph=True)
-                self.kind = "inductor"
-                self._next_check = -1
+                self.kind = st.decided = "inductor"
+                st.next_check = -1
+                self._compile_now = False
                 first = True
-        self.calls += 1
+        st.calls += 1
         if self._compiled is not None:
             try:
                 if not first:
@@ -139,15 +183,24 @@ class Runner:
                 self.compile_seconds = time.perf_counter() - t0     # (and one run)
                 return out
             except Exception as e:
-                if not _torch.is_compile_failure(e):
+                if not (first and _torch.is_compile_failure(e)):
                     raise
                 warnings.warn(f"{self.name}: inductor could not compile the program, so it "
                               f"runs as a graph ({type(e).__name__}: {str(e)[:300]})",
                               stacklevel=2)
                 self._compiled = None
-                self.kind = "graph (compile failed)"
-                self._next_check = -1
+                self.kind = st.decided = "graph (compile failed)"
+                st.next_check = -1
         t0 = time.perf_counter()
         out = self.graph(*args)
-        self.graph_seconds += time.perf_counter() - t0
+        st.graph_seconds += time.perf_counter() - t0
         return out
+
+
+def _fused_inplace(graph: fx.GraphModule) -> bool:
+    """Does the program run torch's in-place fused AdamW (a donated optimizer step,
+    NOTE [Fused optimizer kernels in place])? Inductor in torch 2.13 cannot compile it
+    ("mutating a non-functional tensor with a functional tensor"); such a program
+    already updates its state in place, and "auto" keeps it a graph."""
+    return any(n.op == "call_function" and n.target is _torch.FUSED_ADAMW_INPLACE
+               for n in graph.graph.nodes)

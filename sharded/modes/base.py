@@ -72,16 +72,17 @@ class ParallelMode(abc.ABC):
         the optimizer's multi-tensor ops in place where nothing else reads their
         inputs."""
         graph = cse(dce(remove_identity_views(remove_trivial_collectives(graph))))
-        graph = reinplace_foreach(sink_waits(bucket_all_reduces(hoist_reductions(graph))))
+        graph = reinplace_foreach(sink_waits(bucket_all_reduces(hoist_reductions(graph))),
+                                  fused=self.compile is not True)
         graph.graph.lint()      # a pass that moved a node before its input fails here
         graph.recompile()
         return graph
 
-    def runner(self, graph: fx.GraphModule, name: str | None = None, mesh=None):
+    def runner(self, graph: fx.GraphModule, name: str | None = None, mesh=None, state=None):
         """What runs the local graph each call: the graph itself, or inductor's code
         for it, as ``self.compile`` says (NOTE [Runners]). The graph stays the
         inspectable program (``Lowered``)."""
-        return make_runner(graph, self.compile, name or self.name, mesh)
+        return make_runner(graph, self.compile, name or self.name, mesh, state)
 
     def cache_key(self) -> tuple:
         """What distinguishes this mode's programs in pjit's cache."""

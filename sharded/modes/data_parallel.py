@@ -183,7 +183,7 @@ class DataParallelMode(ParallelMode):
         graph = sink_waits(graph)
         if self.param_sharding == "shard":
             graph = prefetch_all_gathers(graph, self.prefetch)
-        graph = reinplace_foreach(graph)
+        graph = reinplace_foreach(graph, fused=self.compile is not True)
         graph.graph.lint()
         graph.recompile()
         return graph

@@ -51,8 +51,10 @@ def _vals(n: fx.Node) -> list:
     return list(vals) if isinstance(vals, (list, tuple)) else [vals]
 
 
-def reinplace_foreach(gm: fx.GraphModule) -> fx.GraphModule:
-    """NOTE [Reinplacing foreach ops] and NOTE [Writing into donated inputs]."""
+def reinplace_foreach(gm: fx.GraphModule, fused: bool = True) -> fx.GraphModule:
+    """NOTE [Reinplacing foreach ops] and NOTE [Writing into donated inputs].
+    ``fused=False`` leaves torch's fused AdamW functional (a program that inductor
+    will compile: it cannot compile the in-place form on donated inputs in 2.13)."""
     g = gm.graph
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -101,7 +103,7 @@ def reinplace_foreach(gm: fx.GraphModule) -> fx.GraphModule:
 
     for n in nodes:
         if n.op == "call_function" and n.target in _FUSED:
-            if _reinplace_fused(g, n, writable, retarget):
+            if fused and _reinplace_fused(g, n, writable, retarget):
                 pos = {m: i for i, m in enumerate(g.nodes)}    # after a rewrite only
             continue
         pointwise = _inplace_pointwise(n)
