@@ -449,12 +449,14 @@ class Pjit:
 
     def _run_state(self, key: tuple) -> RunState:
         with _CACHE_LOCK:
+            table: collections.OrderedDict
             if self._anchor is None or self._config is None:
                 table = self._own_states
             else:
-                table = _RUN_STATES.get(self._anchor[0])
-                if table is None:
-                    table = _RUN_STATES[self._anchor[0]] = collections.OrderedDict()
+                found = _RUN_STATES.get(self._anchor[0])
+                if found is None:
+                    found = _RUN_STATES[self._anchor[0]] = collections.OrderedDict()
+                table = found
             state = table.get(key)
             if state is None:
                 state = table[key] = RunState()
