@@ -161,6 +161,8 @@ def test_inductor_runs_the_backward_program_too():
             torch.testing.assert_close(dp[k].grad.full_tensor(), ref[k].grad)
     low = f.lower(dp, x)
     assert low.runner() == "inductor" and low.backward.runner() == "inductor"
+    times = low.backward.compile_times()
+    assert times["partition"] > 0 and times["passes"] > 0 and times["inductor"] > 0
     grads = torch.func.grad(lambda q: f(q, x))(shard(p, P(), mesh))
     for k in p:
         torch.testing.assert_close(grads[k].full_tensor(), ref[k].grad)

@@ -77,6 +77,7 @@ class Backward:
     in_specs: list = field(default_factory=list)         # for Lowered
     out_placements: list = field(default_factory=list)
     layouts: dict | None = None
+    times: dict = field(default_factory=dict)    # partition and passes (traced with the forward)
 
     def outcome(self, cotangents) -> sync.Outcome:
         moves = []

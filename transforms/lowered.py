@@ -66,7 +66,7 @@ class Lowered:
         (bucketing, overlap, reinplacing), and ``inductor``: the compile of the
         program into inductor's code (with its first run) once the runner has compiled
         it (NOTE [Runners]), else None."""
-        times = dict(getattr(self._c, "times", {}))   # (a backward: built with its forward)
+        times = dict(self._c.times)     # (a backward's trace is its forward's: 0)
         times["inductor"] = getattr(self._c.runner, "compile_seconds", None)
         return times
 

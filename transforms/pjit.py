@@ -736,8 +736,11 @@ class Pjit:
         n_draws = rewrite_random_ops(gm, f"{self.name} backward")
         rng = [to_placements(P(), mesh)] * 2 if n_draws else []
         grad_specs = [from_placements(in_placements[i], mesh, metas[i].ndim) for i in joint.grad_in]
+        t0 = time.perf_counter()
         part = self.mode.partition(gm, in_pl + rng, grad_specs, mesh)
+        t1 = time.perf_counter()
         local_gm = self.mode.transform_and_compile(part.graph, mesh)
+        times = {"trace": 0.0, "partition": t1 - t0, "passes": time.perf_counter() - t1}
         got = list(part.in_placements) if part.in_placements is not None else in_pl
         dm = mesh.device_mesh
         res_moves = []
@@ -764,6 +767,7 @@ class Pjit:
             lines=lambda: [name] + program_lines(gm) + fingerprint(local_gm, mesh)[1],
             in_specs=[_spec_or_placements(pl, mesh, n.meta["val"].ndim) for pl, n in zip(got, placeholders)],
             out_placements=list(part.out_placements), layouts=part.layouts,
+            times=times,
         )
 
     def _flat_fn(self, sig: _Signature, out_info: dict) -> Callable:
