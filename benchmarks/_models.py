@@ -12,6 +12,17 @@ from examples import gpt
 from sharded import P, optim, with_sharding_constraint
 
 
+def write_result(path: str, result: dict, note: str = "") -> None:
+    """Write a benchmark's ``result`` as JSON to ``path`` (making its folder) and say so."""
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"wrote {path}{f' ({note})' if note else ''}")
+
+
 def git_rev() -> str:
     """The repository's revision, ``+dirty`` with uncommitted changes (for results)."""
     import os

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ import optree  # noqa: E402
 import torch  # noqa: E402
 
 from examples import gpt  # noqa: E402
-from benchmarks._models import git_rev  # noqa: E402
+from benchmarks._models import git_rev, write_result  # noqa: E402
 from sharded import launch  # noqa: E402
 
 
@@ -276,10 +275,7 @@ def main(argv=None):
         "collectives_by_axis_rank0": r0["collectives_by_axis"],
         "wall_s": wall,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"wrote {args.out} ({wall:.0f} s on the ranks)")
+    write_result(args.out, result, f"{wall:.0f} s on the ranks")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import argparse
 import copy
 import datetime
 import functools
-import json
 import os
 import statistics
 import sys
@@ -34,7 +33,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks._models import git_rev  # noqa: E402
+from benchmarks._models import git_rev, write_result  # noqa: E402
 from benchmarks.bench_train_step import _timed_interleaved  # noqa: E402
 from examples import gpt_module as gm  # noqa: E402
 from sharded import launch  # noqa: E402
@@ -182,10 +181,7 @@ def main(argv=None):
                               for m in a["modes"]},
         "wall_s": wall,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"wrote {args.out} ({wall:.0f} s)")
+    write_result(args.out, result, f"{wall:.0f} s")
 
 
 if __name__ == "__main__":

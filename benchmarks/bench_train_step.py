@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from examples import gpt  # noqa: E402
-from benchmarks._models import git_rev  # noqa: E402
+from benchmarks._models import git_rev, write_result  # noqa: E402
 from sharded import launch  # noqa: E402
 
 
@@ -290,10 +289,7 @@ def main(argv=None):
                               for m in a["modes"]},
         "wall_s": wall,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"wrote {args.out} ({wall:.0f} s)")
+    write_result(args.out, result, f"{wall:.0f} s")
 
 
 if __name__ == "__main__":

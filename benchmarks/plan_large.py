@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks._models import git_rev  # noqa: E402
+from benchmarks._models import git_rev, write_result  # noqa: E402
 from examples import gpt  # noqa: E402
 
 GiB = 2 ** 30
@@ -105,10 +104,7 @@ def main(argv=None):
               f"  (lowered in {r['lower_s']:.0f} s)")
     result = {"benchmark": "plan_large", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "torch": torch.__version__, "git": git_rev(), "rows": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

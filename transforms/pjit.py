@@ -929,19 +929,30 @@ def _mesh_device(mesh) -> torch.device:
 # Argument checks
 # ---------------------------------------------------------------------------
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _tuple_of(value, is_one, one_or_many: str, many: str, what: str, api: str) -> tuple:
+    """``value`` (one item or a sequence of items, each passing ``is_one``) as a tuple;
+    ``one_or_many`` and ``many`` describe the items in the errors."""
+    if is_one(value):
+        value = (value,)
+    try:
+        value = tuple(value)
+    except TypeError:
+        raise TypeError(f"{api}: {what} must be {one_or_many}; got {value!r}.") from None
+    for x in value:
+        if not is_one(x):
+            raise TypeError(f"{api}: {what} must be {many}; got {x!r} in {value!r}.")
+    return value
+
+
 def _argnums(fn, nums, what: str, api: str) -> tuple:
     """``static_argnums``/``donate_argnums`` as a sorted tuple; negative numbers are
     resolved against ``fn``'s positional parameters when its signature says how many
     there are (no ``*args``), else per call (as JAX does)."""
-    if isinstance(nums, int) and not isinstance(nums, bool):
-        nums = (nums,)
-    try:
-        nums = tuple(nums)
-    except TypeError:
-        raise TypeError(f"{api}: {what} must be an int or a sequence of ints; got {nums!r}.") from None
-    for i in nums:
-        if not isinstance(i, int) or isinstance(i, bool):
-            raise TypeError(f"{api}: {what} must be ints; got {i!r} in {nums!r}.")
+    nums = _tuple_of(nums, _is_int, "an int or a sequence of ints", "ints", what, api)
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -1019,15 +1030,9 @@ def _both(fn, params: _Params | None, nums, names, what: str, api: str) -> tuple
     """``{what}_argnums`` and ``{what}_argnames`` completed from each other through the
     signature (NOTE [Keyword arguments])."""
     nums = _argnums(fn, nums, f"{what}_argnums", api)
-    if isinstance(names, str):
-        names = (names,)
-    try:
-        names = tuple(names)
-    except TypeError:
-        raise TypeError(f"{api}: {what}_argnames must be a str or a sequence of str; got {names!r}.") from None
+    names = _tuple_of(names, lambda k: isinstance(k, str), "a str or a sequence of str", "strs",
+                      f"{what}_argnames", api)
     for k in names:
-        if not isinstance(k, str):
-            raise TypeError(f"{api}: {what}_argnames must be strs; got {k!r} in {names!r}.")
         if params is not None and params.keywords is not None and k not in params.keywords \
                 and k not in params.positional:
             raise ValueError(

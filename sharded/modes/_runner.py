@@ -68,7 +68,7 @@ import torch.fx as fx
 
 from sharded import _torch, sync
 
-CHOICES = (False, True, "auto")
+FAILED = "graph (compile failed)"
 
 
 def compile_budget() -> float:
@@ -138,20 +138,19 @@ class Runner:
         self.mesh = mesh
         self.budget = budget
         self.state = state
-        self.kind = "graph"            # "graph", "inductor" or "graph (compile failed)"
         self.compile_seconds: float | None = None   # inductor's compile (its first call)
         self._compiled = None
-        self._compile_now = state.decided == "inductor"   # rebuilt after the switch
         if state.next_check is None:
             state.next_check = 0 if budget <= 0 else FIRST_CHECK
             if compute_ops(graph) < min_ops or (budget > 0 and _fused_inplace(graph)):
                 state.next_check = -1      # never
-        if state.decided is not None and state.decided != "inductor":
-            self.kind = state.decided
 
     @property
-    def calls(self) -> int:
-        return self.state.calls
+    def kind(self) -> str:
+        """``"graph"``, ``"inductor"`` or ``"graph (compile failed)"``."""
+        if self._compiled is not None:
+            return "inductor"
+        return FAILED if self.state.decided == FAILED else "graph"
 
     def _worth_compiling(self) -> bool:
         """Has the graph run for ``budget`` seconds on some rank? Every rank asks at
@@ -165,39 +164,48 @@ class Runner:
             want = bool(flag.item())
         return want
 
+    def _switch_now(self) -> bool:
+        """Compile at this call? Yes when the ranks decided so earlier (this runner was
+        rebuilt after the switch), for ``compile=True``, or when asked and agreed."""
+        st = self.state
+        if st.decided == "inductor" or self.budget <= 0:
+            return True
+        if st.calls != st.next_check:
+            return False
+        st.next_check *= 2
+        return self._worth_compiling()
+
     def __call__(self, *args):
         st = self.state
-        first = False
-        if self._compile_now or st.calls == st.next_check:
-            if not self._compile_now:
-                st.next_check *= 2
-            if self._compile_now or self.budget <= 0 or self._worth_compiling():
-                self._compiled = torch.compile(self.graph, backend="inductor", fullgraph=True)
-                self.kind = st.decided = "inductor"
-                st.next_check = -1
-                self._compile_now = False
-                first = True
+        if self._compiled is None and (st.next_check != -1 or st.decided == "inductor") \
+                and self._switch_now():
+            return self._first_compiled_call(args)
         st.calls += 1
         if self._compiled is not None:
-            try:
-                if not first:
-                    return self._compiled(*args)
-                t0 = time.perf_counter()
-                out = self._compiled(*args)
-                self.compile_seconds = time.perf_counter() - t0     # (and one run)
-                return out
-            except Exception as e:
-                if not (first and _torch.is_compile_failure(e)):
-                    raise
-                warnings.warn(f"{self.name}: inductor could not compile the program, so it "
-                              f"runs as a graph ({type(e).__name__}: {str(e)[:300]})",
-                              stacklevel=2)
-                self._compiled = None
-                self.kind = st.decided = "graph (compile failed)"
-                st.next_check = -1
+            return self._compiled(*args)
         t0 = time.perf_counter()
         out = self.graph(*args)
         st.graph_seconds += time.perf_counter() - t0
+        return out
+
+    def _first_compiled_call(self, args):
+        st = self.state
+        st.decided, st.next_check = "inductor", -1
+        st.calls += 1
+        self._compiled = torch.compile(self.graph, backend="inductor", fullgraph=True)
+        t0 = time.perf_counter()
+        try:
+            out = self._compiled(*args)
+        except Exception as e:
+            if not _torch.is_compile_failure(e):
+                raise
+            warnings.warn(f"{self.name}: inductor could not compile the program, so it "
+                          f"runs as a graph ({type(e).__name__}: {str(e)[:300]})",
+                          stacklevel=3)
+            self._compiled = None
+            st.decided = FAILED
+            return self.graph(*args)
+        self.compile_seconds = time.perf_counter() - t0     # (and one run)
         return out
 
 
