@@ -9,7 +9,11 @@ on every call] in sharded/sync.py). On local gloo ranks this measures, per call:
 - ``tiny``: a whole call of ``pjit(lambda x: x * 2)`` on a [8, 8] input (no
   collective in the program: the agreement is most of what it communicates);
 - ``tiny_allreduce``: ``pjit(lambda x: x.sum())`` of a batch sharded over "dp" (one
-  all-reduce in the program) for comparison.
+  all-reduce in the program) for comparison;
+- ``leaves17`` and ``leaves17_program``: a call of a program over 16 replicated [4, 4]
+  parameters and a [8, 4] batch (no collective but the agreement), and its local
+  program run alone: their difference is the call path's own cost (signature, cache
+  lookup, unwrapping the 17 inputs, wrapping the outputs as DTensors).
 Medians over ``--iters`` calls, slowest rank; writes benchmarks/results/agreement.json.
 """
 
@@ -22,7 +26,8 @@ import os
 import torch
 
 from bench_random import median_ms
-from sharded import Mesh, P, launch, sync
+from sharded import Mesh, P, launch, shard, sync
+from sharded.modes import DTensorExpandMode
 from transforms import pjit
 
 
@@ -36,11 +41,24 @@ def _rank(world: int, iters: int) -> dict:
     x = torch.ones(8, 8)
     tiny = pjit(lambda x: x * 2, in_specs=P(), mesh=mesh)
     tiny_ar = pjit(lambda x: x.sum(), in_specs=P("dp"), mesh=mesh)
+    params = shard({f"w{i}": torch.randn(4, 4) for i in range(16)}, P(), mesh)
+    batch = torch.randn(8, 4)
+    many = pjit(_scale, in_specs=(P(), P()), mesh=mesh,
+                mode=DTensorExpandMode(compile=False))
+    many(params, batch)
+    runner = many.lower(params, batch)._c.runner
+    locals_ = [v.to_local() for v in params.values()] + [batch]
     return {
         "agree": _median_us(lambda: sync.agree(mesh, "bench", outcome), iters),
         "tiny": _median_us(lambda: tiny(x), iters),
         "tiny_allreduce": _median_us(lambda: tiny_ar(x), iters),
+        "leaves17": _median_us(lambda: many(params, batch), iters),
+        "leaves17_program": _median_us(lambda: runner(*locals_), iters),
     }
+
+
+def _scale(p, x):
+    return {k: v * 0.9 for k, v in p.items()}, x.sum()
 
 
 def main():
@@ -55,6 +73,8 @@ def main():
     for k, v in worst.items():
         print(f"  {k:16s} {v:9.1f}")
     print(f"  agreement share of a tiny call: {worst['agree'] / worst['tiny']:.0%}")
+    print(f"  17-input call path outside its program: "
+          f"{worst['leaves17'] - worst['leaves17_program'] - worst['agree']:.1f} us (and the agreement)")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"benchmark": "agreement", "torch": torch.__version__, "world": a.world,
