@@ -150,7 +150,8 @@ def _build(mode: str, spec: dict, world: int, rank: int):
         mesh = Mesh((world,), ("dp",))
         layout = "replicate" if mode.startswith("pjit_ddp") else "shard"
         donate = (0, 1) if mode.endswith("_donated") else ()
-        mode = DataParallelMode(layout, compile=mode.endswith("_inductor"))   # (not "auto")
+        mode = DataParallelMode(layout, compile=mode.endswith("_inductor"),   # (not "auto")
+                                **({"bucket_bytes": spec["bucket_bytes"]} if spec["bucket_bytes"] else {}))
         f = pjit(spec["step"], in_specs=(P(), P(), P("dp"), P("dp")), mesh=mesh, mode=mode,
                  donate_argnums=donate)
         init = pjit(optim.adamw_init, in_specs=P(), mesh=mesh, mode=mode)   # born sharded
@@ -197,6 +198,7 @@ def _rank_main(a: dict) -> dict:
     out: dict = {}
     for name in a["models"]:
         spec = _model(a, name)
+        spec["bucket_bytes"] = int(a["bucket_mib"] * 2**20) if a["bucket_mib"] else None
         res: dict = {"times": {}, "peak_bytes": {}, "loss0": {}}
         # memory: each mode built and run alone, from nothing, inside the window, after
         # one warm-up build of every mode outside it: one-time allocations (compiles,
@@ -264,13 +266,15 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--bucket-mib", type=float, default=None,
+                    help="bucket_bytes of the pjit rows in MiB (default: DataParallelMode's)")
     ap.add_argument("--no-compile", dest="compile", action="store_false",
                     help="skip the compile-time comparison")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "data_parallel.json"))
     args = ap.parse_args(argv)
     a = {k: getattr(args, k) for k in ("vocab", "d_model", "heads", "layers", "batch", "seq",
                                        "mlp_width", "mlp_layers", "mlp_batch", "warmup", "iters",
-                                       "compile")}
+                                       "compile", "bucket_mib")}
     a["models"] = [m for m in args.models.split(",") if m]
     a["modes"] = [m for m in args.modes.split(",") if m]
 

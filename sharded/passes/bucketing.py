@@ -59,7 +59,9 @@ aten = torch.ops.aten
 
 # 8 MiB: the MLP 8x1024 data-parallel step (32 MiB of gradients) on 2 gloo ranks took
 # 92 ms with 25 MiB buckets (two buckets: the second all-reduce waits ~26 ms after the
-# backward, measured by the profiler) and 73-75 ms with 1-8 MiB ones (DDP: 82 ms).
+# backward, measured by the profiler) and 73-75 ms with 1-8 MiB ones (DDP: 82 ms);
+# `bench_data_parallel.py --models mlp --modes ddp,pjit_ddp_donated --bucket-mib 25`
+# (and 8): 1.16x and 1.01x DDP (benchmarks/README.md).
 DEFAULT_BUCKET_BYTES = 8 * 1024 * 1024
 
 
