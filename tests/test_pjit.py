@@ -456,3 +456,15 @@ def test_threads_share_the_cache_safely(mesh1):
         t.join()
     assert not errors, errors
     assert f.trace_count == 8                          # one trace per shape, whichever thread
+
+
+def test_argnums_and_argnames_must_be_ints_and_strs():
+    """The shared normalisation of static/donate argnums and argnames names the option
+    and the bad value."""
+    f = lambda x, y: x  # noqa: E731
+    with pytest.raises(TypeError, match=r"pjit\(<lambda>\): static_argnums must be an int or a sequence of ints; got 1\.5\."):
+        pjit(f, in_specs=P(), static_argnums=1.5)
+    with pytest.raises(TypeError, match=r"donate_argnums must be ints; got True in \(True,\)"):
+        pjit(f, in_specs=P(), donate_argnums=(True,))
+    with pytest.raises(TypeError, match=r"static_argnames must be a str or a sequence of str; got 3\."):
+        pjit(f, in_specs=P(), static_argnames=3)
