@@ -97,6 +97,36 @@ def _train(mesh_shape, names, tp, mode_kwargs, steps=4):
     }
 
 
+def _train_gpt_blocks(ws, steps=3):
+    """A GPT whose parameters hold a list of blocks, under "shard" with buckets of one
+    block (NOTE [Bucketing]: a block's gathers in a bucket of their own, forward and
+    backward apart; reduce-scatters bounded in flight): ``steps`` steps equal one
+    device. Returns the number of collectives of each kind."""
+    import optree
+
+    from examples import gpt
+
+    cfg = gpt.GPTConfig(vocab=32, d_model=16, n_heads=2, n_layers=2, seq=8, sdpa=True)
+    params = gpt.init_params(cfg, 0)
+    block = sum(t.numel() * t.element_size() for t in optree.tree_leaves(params["blocks"][0]))
+    step = pjit(lambda p, o, x, y: gpt.train_step(p, o, x, y, cfg),
+                in_specs=(P(), P(), P("dp"), P("dp")), mesh=Mesh((ws,), ("dp",)),
+                mode=DataParallelMode("shard", bucket_bytes=block + 1024))
+    ids, targets = gpt.batch(cfg, 8, seed=1)
+    p, o = params, optim.adamw_init(params)
+    rp, ro = p, o
+    for _ in range(steps):
+        p, o, loss = step(p, o, ids, targets)
+        rp, ro, ref_loss = gpt.train_step(rp, ro, ids, targets, cfg)
+        torch.testing.assert_close(gather(loss), ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gather(p), rp, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gather(o), ro, rtol=1e-4, atol=1e-6)
+    kinds: dict = {}
+    for c in step.lower(p, o, ids, targets).collectives():
+        kinds[c.kind] = kinds.get(c.kind, 0) + 1
+    return kinds
+
+
 def _train_all(ws):
     """Every configuration for one world size, in one call to the ranks."""
     out = {}
@@ -107,6 +137,7 @@ def _train_all(ws):
     # small buckets and a deeper prefetch: several buckets of each kind
     out[("1d", "shard-small")] = _train((ws,), ("dp",), False,
                                         {"param_sharding": "shard", "bucket_bytes": 512, "prefetch": 2})
+    out["gpt-blocks"] = _train_gpt_blocks(ws)
     return out
 
 
@@ -129,7 +160,17 @@ def results(request, on_ranks):
 def test_train_step_equals_single_device(results):
     """(Checked on the ranks: losses, params and AdamW moments after 4 steps.)"""
     ws, res = results
-    assert set(res) >= {("1d", "replicate"), ("1d", "shard")}
+    assert set(res) >= {("1d", "replicate"), ("1d", "shard"), "gpt-blocks"}
+
+
+def test_shard_gathers_block_by_block(results):
+    """(Numerics checked on the ranks.) Buckets of one block: each of the 2 blocks is
+    gathered for the forward and again for the backward, the root's parameters in
+    buckets of their own; gradients leave in several reduce-scatters."""
+    _, res = results
+    kinds = res["gpt-blocks"]
+    assert kinds["all_gather"] >= 2 * 2 + 1, kinds
+    assert kinds["reduce_scatter"] >= 2, kinds
 
 
 def test_replicate_is_ddp(results):

@@ -133,3 +133,144 @@ def test_hoisted_reductions_stay_after_their_inputs():
     # every gradient is reduced once (bucketed), none twice
     reduced = sum(math.prod(c.shape) for c in low.backward.collectives() if c.kind == "all_reduce")
     assert reduced == sum(t.numel() for t in optree.tree_leaves(params))
+
+
+# -- units, buckets and reduce-scatters in flight (NOTE [Bucketing]) ---------------------------
+
+def test_unit_of_path():
+    from sharded.passes import unit_of_path
+
+    assert unit_of_path("args[0]['blocks'][3]['attn']['wq']") == "args[0]['blocks'][3]"
+    assert unit_of_path("args[0]['wte']") == "args[0]"
+    assert unit_of_path("kwargs['params']['layers'][0]['w']") == "kwargs['params']['layers'][0]"
+    assert unit_of_path("args[0][3]") == "args[0][3]"
+    assert unit_of_path("args[0].blocks[1].w") == "args[0].blocks[1]"
+    assert unit_of_path("args[1]") == "args[1]"
+    # a named_parameters() dict: the dotted module path counts
+    assert unit_of_path("args[0]['blocks.3.attn.wq']") == "args[0]['blocks.3']"
+    assert unit_of_path("args[0]['lm_head.weight']") == "args[0]"
+    assert unit_of_path("args[0]['h'][1]['mlp.c_fc.weight']") == "args[0]['h'][1]"
+    assert unit_of_path("residual getitem_3") is None and unit_of_path(None) is None
+
+
+_GPT = dict(vocab=64, d_model=32, n_heads=2, n_layers=2, seq=8, sdpa=True)
+
+
+def _block_bytes():
+    import optree
+
+    from examples import gpt
+
+    block = gpt.init_params(gpt.GPTConfig(**_GPT), 0)["blocks"][0]
+    return sum(t.numel() * t.element_size() for t in optree.tree_leaves(block))
+
+
+def _gpt_shard_step(bucket_bytes):
+    """A 2-layer GPT train step under DataParallelMode("shard"), lowered for rank 0 of
+    an abstract mesh of 2."""
+    from examples import gpt
+    from sharded import Mesh, P, optim
+    from sharded.modes import DataParallelMode
+    from transforms import pjit
+
+    cfg = gpt.GPTConfig(**_GPT)
+    params = gpt.init_params(cfg, 0)
+    ids, tgt = gpt.batch(cfg, 4, seed=1)
+    step = pjit(lambda p, o, x, y: gpt.train_step(p, o, x, y, cfg),
+                in_specs=(P(), P(), P("dp"), P("dp")), mesh=Mesh.abstract((2,), ("dp",)),
+                mode=DataParallelMode("shard", bucket_bytes=bucket_bytes))
+    return step.lower(params, optim.adamw_init(params), ids, tgt), params
+
+
+def _gather_buckets(gm):
+    """Each all-gather's members, as the parameters (placeholders) they gather."""
+    from sharded._torch import c10d_functional
+    from sharded.passes.bucketing import _source
+
+    out = []
+    for n in gm.graph.nodes:
+        if n.target is c10d_functional.all_gather_into_tensor.default:
+            operand = n.args[0]
+            parts = operand.args[0] if operand.target is torch.ops.aten.cat.default else [operand]
+            out.append([_source(p) for p in parts])
+    return out
+
+
+def test_gather_buckets_follow_units():
+    """A block's gathers share one bucket, never another block's (a bucket holds one
+    block and 1 KiB more, so a block's run fits and two do not), and its forward
+    gather and backward regather are two
+    collectives: each block is gathered exactly twice. No bucket gathers a parameter
+    twice. With the default 8 MiB every run fits one bucket, and still the forward's
+    gathers and the backward's regathers stay apart (once, one bucket held every
+    gather of the step, its full weights alive from the first op to the last)."""
+    from sharded.passes import unit_of_path
+
+    low, _ = _gpt_shard_step(_block_bytes() + 1024)
+    buckets = _gather_buckets(low.local_graph)
+    per_block = {0: 0, 1: 0}
+    for members in buckets:
+        assert all(m is not None for m in members) and len(set(members)) == len(members)
+        units = {unit_of_path(m.meta["sharded_path"]) for m in members}
+        assert len(units) == 1, units
+        for b in per_block:
+            per_block[b] += units == {f"args[0]['blocks'][{b}]"}
+    assert per_block == {0: 2, 1: 2}
+
+    low, _ = _gpt_shard_step(8 * 2**20)
+    buckets = _gather_buckets(low.local_graph)
+    assert len(buckets) >= 2
+    for members in buckets:
+        assert len(set(members)) == len(members)
+
+
+def test_reduce_scatters_in_flight_are_bounded():
+    """bound_reduce_scatters: each reduce-scatter is waited for before the one two
+    places later is issued (a reduce-scatter's input, a bucket of full-size
+    gradients, lives until its wait), and every gradient is still reduced once."""
+    import math
+
+    import optree
+
+    from sharded._torch import WAIT_OP, c10d_functional
+
+    low, params = _gpt_shard_step(4 * 1024)
+    nodes = list(low.local_graph.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    rs = [n for n in nodes if n.target is c10d_functional.reduce_scatter_tensor.default]
+    assert len(rs) >= 4
+    for earlier, later in zip(rs, rs[2:]):
+        wait = next(u for u in earlier.users if u.target is WAIT_OP)
+        assert pos[wait] < pos[later]
+    # (every dim 0 divides by 2: every gradient is reduce-scattered)
+    scattered = sum(math.prod(c.shape) for c in low.collectives() if c.kind == "reduce_scatter")
+    assert scattered == sum(t.numel() for t in optree.tree_leaves(params))
+
+
+def test_memory_estimate_holds_a_collective_input_until_its_wait():
+    """A reduce-scatter's work holds its input until the wait: the estimate counts the
+    input alive until then, not freed at the collective."""
+    import torch.fx as fx
+
+    from sharded._torch import WAIT_OP, c10d_functional
+    from sharded.passes import memory
+
+    with torch._subclasses.FakeTensorMode():
+        x, big, out = torch.empty(256), torch.empty(1024), torch.empty(128)
+        g = fx.Graph()
+        a = g.placeholder("a")
+        a.meta["val"] = x
+        grads = g.call_function(torch.ops.aten.mul.Tensor, (a, 2))
+        grads.meta["val"] = torch.empty(256)
+        rs = g.call_function(c10d_functional.reduce_scatter_tensor.default, (grads, "sum", 2, "g"))
+        rs.meta["val"] = out
+        other = g.call_function(torch.ops.aten.mul.Tensor, (a, 3))   # while rs is in flight
+        other.meta["val"] = big
+        wait = g.call_function(WAIT_OP, (rs,))
+        wait.meta["val"] = out
+        res = g.call_function(torch.ops.aten.add.Tensor, (wait, other))
+        res.meta["val"] = torch.empty(1024)
+        g.output((res,))
+    m = memory(fx.GraphModule(torch.nn.Module(), g))
+    # input 1 KiB + grads 1 KiB (held) + rs out 0.5 KiB + other 4 KiB, at "other"
+    assert m["peak_bytes"] >= 1024 + 1024 + 512 + 4096, m

@@ -96,6 +96,10 @@ def expand(graph: fx.GraphModule, in_placements: Sequence[tuple], out_specs: Seq
 
     with _torch.dtensor_caches_while_tracing():
         local = make_fx(run_local, tracing_mode="fake")(*local_inputs)
+    # each input keeps its pytree path (passes read it: NOTE [Bucketing] units)
+    for g, loc in zip(graph.graph.find_nodes(op="placeholder"), local.graph.find_nodes(op="placeholder")):
+        if "sharded_path" in g.meta:
+            loc.meta["sharded_path"] = g.meta["sharded_path"]
     return Partitioned(local, list(out_placements))
 
 

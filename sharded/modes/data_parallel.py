@@ -48,8 +48,9 @@ from sharded.modes._expand import RNG_OP, SPECIAL_OPS, LayoutPolicy, expand
 from sharded.modes._runner import check_compile
 from sharded.modes.base import ParallelMode, Partitioned
 from sharded.modes.dtensor_expand import _ADDITIVE, _LINEAR_IN_PARTIAL, reduce_where_produced
-from sharded.passes import (DEFAULT_BUCKET_BYTES, bucket_all_gathers, bucket_all_reduces,
-                            bucket_reduce_scatters, cse, dce, hoist_reductions, prefetch_all_gathers,
+from sharded.passes import (DEFAULT_BUCKET_BYTES, bound_reduce_scatters, bucket_all_gathers,
+                            bucket_all_reduces, bucket_reduce_scatters, cse, dce,
+                            hoist_reductions, prefetch_all_gathers,
                             reinplace_foreach, remove_identity_views, remove_trivial_collectives,
                             sink_waits)
 from sharded.spec import P, from_placements, to_placements
@@ -71,8 +72,11 @@ class DataParallelMode(ParallelMode):
 
     Sharding that the in_specs give over other mesh axes is kept: on a ("dp", "tp")
     mesh, tensor-parallel specs compose with either layout in one program.
-    ``bucket_bytes`` caps a gradient bucket; ``prefetch`` is how many parameter
-    gathers are issued ahead of their use (``"shard"``). ``compile`` chooses what runs
+    ``bucket_bytes`` caps a bucket of gradients or (``"shard"``) of parameter gathers;
+    buckets pack whole blocks, read off the parameters' pytree paths (NOTE
+    [Bucketing]), so about one block's bytes gives FSDP's per-block schedule and a
+    larger cap fewer, larger collectives. ``prefetch`` is how many parameter gather
+    buckets are issued ahead of their use (``"shard"``). ``compile`` chooses what runs
     the local program, as for every mode (NOTE [Runners]: ``False``, ``True`` or
     ``"auto"``).
     """
@@ -173,8 +177,9 @@ class DataParallelMode(ParallelMode):
     def transform_and_compile(self, graph: fx.GraphModule, mesh) -> fx.GraphModule:
         """Cleanup, CSE, then the communication schedule (NOTE [Bucketing], NOTE
         [Overlap]): gradient reductions bucketed in backward order (all-reduces, or
-        reduce-scatters for ``"shard"``), parameter gathers bucketed in use order and
-        prefetched ``prefetch`` buckets ahead, waits sunk to the first use."""
+        reduce-scatters for ``"shard"``, by unit, at most two in flight), parameter
+        gathers bucketed by unit in use order and prefetched ``prefetch`` buckets
+        ahead, waits sunk to the first use."""
         graph = hoist_reductions(cse(dce(remove_identity_views(remove_trivial_collectives(graph)))))
         if self.param_sharding == "shard":
             graph = bucket_reduce_scatters(graph, self.bucket_bytes)
@@ -182,6 +187,7 @@ class DataParallelMode(ParallelMode):
         graph = bucket_all_reduces(graph, self.bucket_bytes)
         graph = sink_waits(graph)
         if self.param_sharding == "shard":
+            graph = bound_reduce_scatters(graph)
             graph = prefetch_all_gathers(graph, self.prefetch)
         graph = reinplace_foreach(graph, fused=self.compile is not True)
         graph.graph.lint()

@@ -115,9 +115,13 @@ def memory(gm: fx.GraphModule) -> dict:
     """A static estimate of this rank's memory while it runs ``gm``: bytes of the
     inputs (held by the caller throughout), and the peak of live bytes (inputs plus
     every intermediate from the op that allocates it to its last use, as the
-    generated code frees it; views and in-place ops allocate nothing), with the node
+    generated code frees it, or to the wait of a gather or reduce-scatter that reads
+    it; views and in-place ops allocate nothing), with the node
     where it is reached. ``{"input_bytes", "output_bytes", "peak_bytes", "peak_node"}``."""
     from sharded._torch import storage_key
+
+    held_until_wait = (_torch.c10d_functional.reduce_scatter_tensor.default,
+                       _torch.c10d_functional.all_gather_into_tensor.default)
 
     nodes = list(gm.graph.nodes)
     sizes: dict = {}
@@ -136,6 +140,16 @@ def memory(gm: fx.GraphModule) -> dict:
             for v in avals if isinstance(avals, (list, tuple)) else [avals]:
                 if isinstance(v, torch.Tensor):
                     last[storage_key(v)] = i
+    # a gather's or reduce-scatter's input is held by its work until the wait (the
+    # functional all-reduce runs on a copy made when it is issued)
+    pos = {n: i for i, n in enumerate(nodes)}
+    for n in nodes:
+        if n.op == "call_function" and n.target in held_until_wait:
+            wait = next((u for u in n.users if u.target is _torch.WAIT_OP), None)
+            val = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+            if wait is not None and isinstance(val, torch.Tensor):
+                key = storage_key(val)
+                last[key] = max(last.get(key, 0), pos[wait])
     inputs = {storage_key(n.meta["val"]) for n in nodes
               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
     out_node = nodes[-1]

@@ -21,9 +21,26 @@ member was, so every input exists, and may only grow while none of its results i
 needed yet: buckets leave in backward order and the rest of the backward overlaps
 them. A gather bucket (parameters, read in forward or backward order) is issued
 where its first member was (the members' inputs, views of parameter shards, are
-moved up with it) and grows while its results are not needed yet. Ranks run the
-same passes on the same graph shape, so they issue the same buckets in the same
-order.
+moved up with it). Ranks run the same passes on the same graph shape, so they issue
+the same buckets in the same order.
+
+Buckets of a sharded program also follow *units*, FSDP's per-block wrapping read off
+the parameters' pytree paths (``unit_of_path``): ``args[0]['blocks'][3]['attn']['wq']``
+belongs to ``args[0]['blocks'][3]``, the block its first list index names, and a
+parameter under no list to its argument's root unit (embeddings, final norm). A
+*run* is one unit's consecutive collectives (a block's gathers in the forward; its
+regathers in the backward). Buckets pack whole runs up to ``bucket_bytes`` (a run
+larger than that is cut by bytes), so a block is not split across two buckets, and
+small blocks share one. A gather bucket never holds the same parameter twice: the
+forward's gather and the backward's regather stay two collectives, and full weights
+live from their gather to their last use in that pass, not across the step. (Byte
+caps alone once put a small GPT's every gather, forward and backward, into one
+bucket, alive for the whole step.) A reduction takes the unit of the latest gather
+before it (the block whose backward produced it). A reduce-scatter's input (the
+bucket's full-size gradients) lives until its wait; ``bound_reduce_scatters`` waits
+for each before the one ``inflight`` places later is issued, so at most ``inflight``
+buckets of full gradients are alive at once (gloo runs one group's collectives in
+order, so the early wait costs no overlap).
 
 torch ships greedy bucketing passes (``torch._inductor.fx_passes.bucketing``); on a
 data-parallel GPT step they merge every parameter gather of the step, forward and
@@ -43,6 +60,7 @@ and at most ``ahead + 1`` gathered buckets are alive at once.
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 import torch.fx as fx
@@ -102,13 +120,75 @@ def bucket_all_gathers(gm: fx.GraphModule, bucket_bytes: int = DEFAULT_BUCKET_BY
     return _bucket(gm, _ALL_GATHER, bucket_bytes)
 
 
+_TOKEN = re.compile(r"\[(?:\d+|'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]|\.\w+")
+
+
+def unit_of_path(path: str | None) -> str | None:
+    """The unit (NOTE [Bucketing]) of a parameter at pytree ``path``: the path up to
+    its first list index after the argument's own (``args[0]['blocks'][3]['ln1_w']``
+    -> ``args[0]['blocks'][3]``), where a string key's dotted module path counts too
+    (``args[0]['blocks.3.attn.wq']``, a ``named_parameters()`` dict -> ``args[0]['blocks.3']``);
+    else the argument (``args[0]['wte']`` -> ``args[0]``); None for a name that is no
+    pytree path (``residual getitem_3``)."""
+    m = re.match(r"[A-Za-z_]\w*", path or "")
+    if m is None:
+        return None
+    tokens = _TOKEN.findall(path[m.end():])
+    if not tokens:
+        return None
+    unit = m.group(0) + tokens[0]
+    for tok in tokens[1:]:
+        if tok[1:-1].isdigit():
+            return unit + tok
+        if tok[:2] in ("['", '["'):
+            pieces = tok[2:-2].split(".")
+            for i, piece in enumerate(pieces[:-1]):
+                if piece.isdigit():
+                    return unit + tok[:2] + ".".join(pieces[:i + 1]) + tok[-2:]
+        unit += tok
+    return m.group(0) + tokens[0]
+
+
+def _source(node) -> fx.Node | None:
+    """The input a gather's operand is a pure one-input chain of (views, copies) of."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        ins = node.all_input_nodes
+        if len(ins) != 1 or not _is_pure(node.target) or node.target in _torch.COLLECTIVE_OPS \
+                or node.target is _WAIT:
+            return None
+        node = ins[0]
+    return node if isinstance(node, fx.Node) and node.op == "placeholder" else None
+
+
+def _units(nodes: list[fx.Node]) -> dict:
+    """``{collective: (unit, source)}``: a gather's unit is its parameter's; a
+    reduction's is the unit of the latest gather before it (NOTE [Bucketing])."""
+    out: dict = {}
+    current = None
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is _ALL_GATHER:
+            src = _source(n.args[0])
+            current = unit_of_path(src.meta.get("sharded_path")) if src is not None else None
+            out[n] = (current, src)
+        elif n.target in (_ALL_REDUCE, _REDUCE_SCATTER):
+            out[n] = (current, None)
+    return out
+
+
 def _bucket(gm: fx.GraphModule, target, bucket_bytes: int) -> fx.GraphModule:
     """One open bucket per (group, op, dtype): collectives over different groups are
     independent streams, so a tensor-parallel all-reduce between two data-parallel
-    ones does not end their bucket."""
+    ones does not end their bucket. Buckets pack whole unit runs, and a gather bucket
+    holds each source once (NOTE [Bucketing])."""
     gather = target is _ALL_GATHER
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
+    units = _units(nodes)
+    candidates = [n for n in nodes if n.op == "call_function" and n.target is target]
+    sizes = {n: _operand_bytes(n) for n in candidates if _bucketable(n)}
+    run_bytes = _run_bytes(candidates, sizes, units)
     buckets: list[list[fx.Node]] = []
     open_: dict = {}       # key -> [members, bytes, earliest use of a member's result]
 
@@ -117,18 +197,18 @@ def _bucket(gm: fx.GraphModule, target, bucket_bytes: int) -> fx.GraphModule:
         if len(members) > 1:
             buckets.append(members)
 
-    for n in nodes:
-        if n.op != "call_function" or n.target is not target:
-            continue
+    for n in candidates:
         k = _key(n)
-        if not _bucketable(n):
+        if n not in sizes:
             flush(k)
             continue
-        val = n.args[0].meta["val"]
-        nbytes = max(val.numel() * val.element_size(), _nbytes(n))
+        nbytes = sizes[n]
+        unit, src = units[n]
         if k in open_:
             members, size, earliest_use = open_[k]
-            if size + nbytes > bucket_bytes or (
+            new_run = units[members[-1]][0] != unit
+            if size + (run_bytes[n] if new_run else nbytes) > bucket_bytes or (
+                    src is not None and any(units[m][1] is src for m in members)) or (
                     not _movable(n.args[0], pos[members[0]], pos) if gather else pos[n] >= earliest_use):
                 flush(k)
         members, size, earliest_use = open_.setdefault(k, [[], 0, len(nodes)])
@@ -140,6 +220,29 @@ def _bucket(gm: fx.GraphModule, target, bucket_bytes: int) -> fx.GraphModule:
     for b in buckets:
         _merge(gm, b)
     return gm
+
+
+def _operand_bytes(n: fx.Node) -> int:
+    val = n.args[0].meta["val"]
+    return max(val.numel() * val.element_size(), _nbytes(n))
+
+
+def _run_bytes(candidates: list[fx.Node], sizes: dict, units: dict) -> dict:
+    """``{first collective of a run: bytes of the run}``: a run is a maximal sequence
+    of one key's bucketable collectives of one unit (one block's gathers in one pass)."""
+    out: dict = {}
+    last: dict = {}        # key -> (unit, first member of the current run)
+    for n in candidates:
+        if n not in sizes:
+            last.pop(_key(n), None)
+            continue
+        k, unit = _key(n), units[n][0]
+        run = last.get(k)
+        if run is None or run[0] != unit:
+            run = last[k] = (unit, n)
+            out[n] = 0
+        out[run[1]] += sizes[n]
+    return out
 
 
 def _movable(node, limit: int, pos: dict) -> bool:
@@ -270,6 +373,25 @@ def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
         first = min(n.users, key=lambda u: pos[u])
         if first is not n.next:
             first.prepend(n)
+    return gm
+
+
+def bound_reduce_scatters(gm: fx.GraphModule, inflight: int = 2) -> fx.GraphModule:
+    """Wait for each reduce-scatter before the one ``inflight`` places after it (over
+    the same group) is issued: at most ``inflight`` buckets of full-size gradients
+    are alive at once (NOTE [Bucketing]). Run after ``sink_waits``."""
+    by_group: dict = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is _REDUCE_SCATTER:
+            by_group.setdefault(n.args[-1], []).append(n)
+    for seq in by_group.values():
+        for earlier, later in zip(seq, seq[inflight:]):
+            wait = _wait_of(earlier)
+            if wait is None:
+                continue
+            order = {n: j for j, n in enumerate(gm.graph.nodes)}
+            if order[wait] > order[later]:
+                later.prepend(wait)
     return gm
 
 
