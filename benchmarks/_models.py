@@ -154,9 +154,15 @@ class MLPModule(nn.Module):
 def peak_allocated_bytes(fn) -> int:
     """The peak of the bytes that ``fn`` has allocated and not yet freed (CPU tensors),
     read from the profiler's allocation events (a private profiler API; benchmark
-    code only)."""
+    code only). Frees of memory allocated before ``fn`` ran are not counted (they
+    once made a row read less than its own state). The profiler sees the allocations
+    and frees of the calling thread only; a free on another thread shows when its
+    block is allocated again, so the peak may overcount such memory until then."""
+    import gc
+
     from torch._C._profiler import _EventType
 
+    gc.collect()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as prof:
         fn()
@@ -164,10 +170,17 @@ def peak_allocated_bytes(fn) -> int:
     while stack:
         e = stack.pop()
         if e.typed[0] == _EventType.Allocation:
-            allocs.append((e.start_time_ns, e.typed[1].alloc_size))
+            allocs.append((e.start_time_ns, e.typed[1].alloc_size, e.typed[1].ptr))
         stack.extend(e.children)
     live = peak = 0
-    for _, nbytes in sorted(allocs):
-        live += nbytes
+    mine: dict = {}                       # ptr -> bytes, allocated inside the window
+    for _, nbytes, ptr in sorted(allocs):
+        if nbytes > 0:
+            # a block allocated again was freed first, on a thread the profiler does not
+            # follow (gloo's, releasing a collective's tensors)
+            live += nbytes - mine.get(ptr, 0)
+            mine[ptr] = nbytes
+        elif ptr in mine:
+            live -= mine.pop(ptr)
         peak = max(peak, live)
     return peak

@@ -196,14 +196,41 @@ def _gather_buckets(gm):
     return out
 
 
+def _max_gathered_alive(gm) -> int:
+    """The most gathered buckets alive at once: each from its wait to the last use of
+    anything viewed out of it (the members are views of one buffer)."""
+    from sharded._torch import WAIT_OP, c10d_functional
+
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    aliases = {torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+               torch.ops.aten.split_with_sizes.default, torch.ops.aten.permute.default,
+               torch.ops.aten.t.default, torch.ops.aten.slice.Tensor}
+
+    def last_use(n):
+        end = pos[n]
+        for u in n.users:
+            view = u.target in aliases or getattr(u.target, "__name__", "") == "getitem"
+            end = max(end, last_use(u) if view else pos[u])
+        return end
+
+    spans = [(pos[w], last_use(w)) for n in nodes
+             if n.target is c10d_functional.all_gather_into_tensor.default
+             for w in n.users if w.target is WAIT_OP]
+    return max(sum(a <= i <= b for a, b in spans) for i in range(len(nodes)))
+
+
 def test_gather_buckets_follow_units():
     """A block's gathers share one bucket, never another block's (a bucket holds one
     block and 1 KiB more, so a block's run fits and two do not), and its forward
     gather and backward regather are two
     collectives: each block is gathered exactly twice. No bucket gathers a parameter
-    twice. With the default 8 MiB every run fits one bucket, and still the forward's
-    gathers and the backward's regathers stay apart (once, one bucket held every
-    gather of the step, its full weights alive from the first op to the last)."""
+    twice. At most two gathered buckets are alive at once (this block's and the
+    prefetched next): a weight that the forward and the backward both read as is (a
+    layer norm's; CSE merged its two gathers) is gathered again for the backward,
+    where once it kept the forward's whole bucket alive across the step. With the
+    default 8 MiB the forward's gathers and the backward's regathers still stay apart
+    (once, one bucket held every gather of the step)."""
     from sharded.passes import unit_of_path
 
     low, _ = _gpt_shard_step(_block_bytes() + 1024)
@@ -216,6 +243,8 @@ def test_gather_buckets_follow_units():
         for b in per_block:
             per_block[b] += units == {f"args[0]['blocks'][{b}]"}
     assert per_block == {0: 2, 1: 2}
+
+    assert _max_gathered_alive(low.local_graph) <= 2     # prefetch=1: this one and the next
 
     low, _ = _gpt_shard_step(8 * 2**20)
     buckets = _gather_buckets(low.local_graph)

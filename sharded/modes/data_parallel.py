@@ -50,7 +50,7 @@ from sharded.modes.base import ParallelMode, Partitioned
 from sharded.modes.dtensor_expand import _ADDITIVE, _LINEAR_IN_PARTIAL, reduce_where_produced
 from sharded.passes import (DEFAULT_BUCKET_BYTES, bound_reduce_scatters, bucket_all_gathers,
                             bucket_all_reduces, bucket_reduce_scatters, cse, dce,
-                            hoist_reductions, prefetch_all_gathers,
+                            hoist_reductions, prefetch_all_gathers, regather_distant_uses,
                             reinplace_foreach, remove_identity_views, remove_trivial_collectives,
                             sink_waits)
 from sharded.spec import P, from_placements, to_placements
@@ -180,7 +180,10 @@ class DataParallelMode(ParallelMode):
         reduce-scatters for ``"shard"``, by unit, at most two in flight), parameter
         gathers bucketed by unit in use order and prefetched ``prefetch`` buckets
         ahead, waits sunk to the first use."""
-        graph = hoist_reductions(cse(dce(remove_identity_views(remove_trivial_collectives(graph)))))
+        graph = cse(dce(remove_identity_views(remove_trivial_collectives(graph))))
+        if self.param_sharding == "shard":
+            graph = regather_distant_uses(graph)
+        graph = hoist_reductions(graph)
         if self.param_sharding == "shard":
             graph = bucket_reduce_scatters(graph, self.bucket_bytes)
             graph = bucket_all_gathers(graph, self.bucket_bytes)

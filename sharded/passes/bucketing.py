@@ -29,9 +29,11 @@ the parameters' pytree paths (``unit_of_path``): ``args[0]['blocks'][3]['attn'][
 belongs to ``args[0]['blocks'][3]``, the block its first list index names, and a
 parameter under no list to its argument's root unit (embeddings, final norm). A
 *run* is one unit's consecutive collectives (a block's gathers in the forward; its
-regathers in the backward). Buckets pack whole runs up to ``bucket_bytes`` (a run
-larger than that is cut by bytes), so a block is not split across two buckets, and
-small blocks share one. A gather bucket never holds the same parameter twice: the
+regathers in the backward). A bucket holds one run, cut by ``bucket_bytes`` if it
+is larger, so a block is not split across two buckets; several runs share a
+bucket only up to ``PACK_BYTES`` (1 MiB), where a collective's cost is mostly its
+latency: small blocks share a bucket, large ones get their own, and gathered weights
+are alive about one block at a time, as with FSDP's per-block wrapping. A gather bucket never holds the same parameter twice: the
 forward's gather and the backward's regather stay two collectives, and full weights
 live from their gather to their last use in that pass, not across the step. (Byte
 caps alone once put a small GPT's every gather, forward and backward, into one
@@ -81,6 +83,14 @@ aten = torch.ops.aten
 # `bench_data_parallel.py --models mlp --modes ddp,pjit_ddp_donated --bucket-mib 25`
 # (and 8): 1.16x and 1.01x DDP (benchmarks/README.md).
 DEFAULT_BUCKET_BYTES = 8 * 1024 * 1024
+
+# Runs of several units share a bucket only up to this many bytes (NOTE [Bucketing]):
+# the MLP 8x1024 "shard" step (4 MiB layers) with two layers per 8 MiB gather bucket
+# held 36.9 MiB of temporaries at its peak against FSDP2's 28.7 MiB (per-layer
+# gathers); gpt-tiny's whole model (1.6 MiB) in one bucket held 8.6 MiB against 6.7;
+# and gpt-tiny's 0.75 MiB blocks each in a bucket of its own took 7 gathers a step
+# instead of 3 and 0.92x FSDP2's step time instead of 0.66-0.74x.
+PACK_BYTES = 1024 * 1024
 
 
 def _wait_of(node: fx.Node) -> fx.Node | None:
@@ -207,7 +217,8 @@ def _bucket(gm: fx.GraphModule, target, bucket_bytes: int) -> fx.GraphModule:
         if k in open_:
             members, size, earliest_use = open_[k]
             new_run = units[members[-1]][0] != unit
-            if size + (run_bytes[n] if new_run else nbytes) > bucket_bytes or (
+            cap = min(bucket_bytes, PACK_BYTES) if new_run else bucket_bytes
+            if size + (run_bytes[n] if new_run else nbytes) > cap or (
                     src is not None and any(units[m][1] is src for m in members)) or (
                     not _movable(n.args[0], pos[members[0]], pos) if gather else pos[n] >= earliest_use):
                 flush(k)
@@ -373,6 +384,38 @@ def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
         first = min(n.users, key=lambda u: pos[u])
         if first is not n.next:
             first.prepend(n)
+    return gm
+
+
+def regather_distant_uses(gm: fx.GraphModule) -> fx.GraphModule:
+    """Give a gathered parameter's later uses a gather of their own where another
+    unit's gather lies between them and its earlier uses (NOTE [Bucketing]): CSE
+    merges the forward's and the backward's gather of a weight that both read as is
+    (a layer norm's), and one such use in the backward kept the forward's whole
+    bucket alive across the step. This is FSDP's reshard after forward. Run after
+    ``cse`` and before bucketing."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    units = _units(nodes)
+    gathers = [n for n in nodes if n.op == "call_function" and n.target is _ALL_GATHER]
+    for g in gathers:
+        unit = units[g][0]
+        wait = _wait_of(g)
+        if unit is None or wait is None or len(g.users) != 1:
+            continue
+        others = [pos[o] for o in gathers if units[o][0] != unit]
+        uses = sorted(wait.users, key=pos.__getitem__)
+        current, last = wait, pos[uses[0]]
+        for u in uses[1:]:
+            if any(last < p < pos[u] for p in others):
+                with gm.graph.inserting_before(u):
+                    again = gm.graph.call_function(_ALL_GATHER, g.args, g.kwargs)
+                    again.meta.update(g.meta)
+                    current = gm.graph.call_function(_WAIT, (again,))
+                    current.meta.update(wait.meta)
+            if current is not wait:
+                u.replace_input_with(wait, current)
+            last = pos[u]
     return gm
 
 
