@@ -30,7 +30,7 @@ from sharded import _torch, _tree, random as srandom, sync
 from sharded.mesh import Mesh, current_mesh
 from sharded.modes import DTensorExpandMode, ParallelMode
 from sharded.modes._runner import RunState
-from sharded.passes import fingerprint
+from sharded.passes import fingerprint, unalias_outputs
 from sharded.random.rewrite import rewrite_random_ops
 from sharded.spec import P, check_spec, from_placements, local_slice, to_placements
 from transforms import _autograd
@@ -638,6 +638,8 @@ class Pjit:
             placeholders[k].meta["sharded_donated"] = True
         t1 = time.perf_counter()
         local_gm = self.mode.transform_and_compile(part.graph, mesh)
+        if unalias_outputs(local_gm, n_out):   # (every mode: residuals are not the user's)
+            local_gm.recompile()
         times.update(partition=t1 - t0, passes=time.perf_counter() - t1)
         reused = _reused_inputs(local_gm, donated_local, [paths[j] for j in donated], out_paths
                                 ) if donated else {}
@@ -740,6 +742,8 @@ class Pjit:
         part = self.mode.partition(gm, in_pl + rng, grad_specs, mesh)
         t1 = time.perf_counter()
         local_gm = self.mode.transform_and_compile(part.graph, mesh)
+        if unalias_outputs(local_gm):          # gradients (one may be clipped in place)
+            local_gm.recompile()
         times = {"trace": 0.0, "partition": t1 - t0, "passes": time.perf_counter() - t1}
         got = list(part.in_placements) if part.in_placements is not None else in_pl
         dm = mesh.device_mesh

@@ -11,9 +11,11 @@ from sharded.passes.bucketing import (DEFAULT_BUCKET_BYTES, bucket_all_gathers, 
                                      prefetch_all_gathers, regather_distant_uses, sink_waits,
                                      unit_of_path)
 from sharded.passes.inplace import reinplace_foreach
-from sharded.passes.cleanup import cse, dce, remove_identity_views, remove_trivial_collectives
+from sharded.passes.cleanup import (cse, dce, remove_identity_views, remove_trivial_collectives,
+                                    unalias_outputs)
 
 __all__ = ["CollectiveCall", "collectives", "cost", "fingerprint", "memory", "cse", "dce", "remove_trivial_collectives", "remove_identity_views",
            "bucket_all_reduces", "bucket_reduce_scatters", "bucket_all_gathers",
            "prefetch_all_gathers", "sink_waits", "bound_reduce_scatters", "unit_of_path",
-           "regather_distant_uses", "hoist_reductions", "DEFAULT_BUCKET_BYTES", "reinplace_foreach"]
+           "regather_distant_uses", "hoist_reductions", "DEFAULT_BUCKET_BYTES", "reinplace_foreach",
+           "unalias_outputs"]

@@ -118,3 +118,38 @@ def remove_identity_views(gm: fx.GraphModule) -> fx.GraphModule:
         node.replace_all_uses_with(src)
         gm.graph.erase_node(node)
     return gm
+
+
+def unalias_outputs(gm: fx.GraphModule, n: int | None = None) -> bool:
+    """Give each of the first ``n`` outputs (all: None) a storage of its own; True if
+    the graph changed (then ``gm.recompile()``).
+
+    CSE merges equal computations: ``adamw_init``'s two ``zeros_like`` per parameter
+    became one tensor, returned as both moments, and a caller that updated one in
+    place (``m.add_``, torch.optim on the state) changed the other too, where the
+    single-device program returns two tensors: a silent wrong result. An output whose
+    storage an earlier one already has (the same node, or a view of it) is cloned.
+    """
+    out = next(n_ for n_ in reversed(gm.graph.nodes) if n_.op == "output")
+    outs = out.args[0]
+    if not isinstance(outs, (list, tuple)):
+        return False
+    args = list(outs)
+    seen: set = set()
+    changed = False
+    for i, a in enumerate(args[: len(args) if n is None else n]):
+        val = a.meta.get("val") if isinstance(a, fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        key = _torch.storage_key(val)
+        if key not in seen:
+            seen.add(key)
+            continue
+        with gm.graph.inserting_before(out):
+            copy = gm.graph.call_function(torch.ops.aten.clone.default, (a,))
+        copy.meta["val"] = torch.empty_like(val)
+        args[i] = copy
+        changed = True
+    if changed:
+        out.args = (type(outs)(args),) + tuple(out.args[1:])
+    return changed

@@ -1,0 +1,74 @@
+"""A pjit program's outputs never share storage with one another, in every mode.
+
+CSE merges equal computations, and ``optim.adamw_init``'s two ``zeros_like`` per
+parameter once came back as one tensor in both moments: ``m.add_(1)`` changed ``v``,
+where the single-device program returns two tensors (a silent wrong result for any
+caller that updates state in place, as torch.optim does). The same holds for the
+gradients that pjit's backward program hands to autograd: ``a + b`` gives both
+inputs one gradient, and ``.grad`` of one clipped in place must not move the other.
+On real gloo ranks (world 2).
+"""
+
+from __future__ import annotations
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor
+
+from sharded import Mesh, P, optim, shard
+from sharded.modes import DataParallelMode, DTensorExpandMode
+from transforms import pjit
+
+
+def _zeros_twice(x):
+    return torch.zeros_like(x), torch.zeros_like(x), x * 1.0, x * 1.0
+
+
+def _same_tensor_twice(x):
+    y = x + 1.0
+    return y, y, y.view(-1)
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _separate(outs) -> list[str]:
+    """The pairs of outputs whose local storages are one, and whether an in-place
+    update of one moved another."""
+    leaves = [_local(t) for t in optree.tree_leaves(outs)]
+    bad = []
+    for i, a in enumerate(leaves):
+        for j in range(i + 1, len(leaves)):
+            if a.untyped_storage().data_ptr() == leaves[j].untyped_storage().data_ptr():
+                bad.append(f"outputs {i} and {j} share storage")
+    before = [t.clone() for t in leaves]
+    leaves[0].add_(1.0)
+    for j in range(1, len(leaves)):
+        if not torch.equal(leaves[j], before[j]):
+            bad.append(f"add_ on output 0 changed output {j}")
+    return bad
+
+
+def _body():
+    mesh = Mesh((2,), ("dp",))
+    params = {"w": torch.randn(4, 4), "b": torch.randn(4)}
+    x = torch.randn(4, 4)
+    out = {}
+    for mode in (DTensorExpandMode(), DataParallelMode("replicate"), DataParallelMode("shard")):
+        for fn, arg in ((optim.adamw_init, params), (_zeros_twice, x), (_same_tensor_twice, x)):
+            res = pjit(fn, in_specs=P(), mesh=mesh, mode=mode)(arg)
+            out[repr(mode), fn.__name__] = _separate(res)
+    # the backward program's gradients: d(a + b)/da and d(a + b)/db are one tensor
+    a, b = (shard(torch.randn(4, 4), P(), mesh).requires_grad_() for _ in range(2))
+    loss = pjit(lambda a, b: (a + b).sum(), in_specs=(P(), P()), out_specs=P(), mesh=mesh)
+    loss(a, b).backward()
+    out["grads"] = _separate([a.grad, b.grad])
+    return out
+
+
+def test_outputs_never_share_storage(on_ranks):
+    for res in on_ranks(2, _body):
+        assert len(res) == 10
+        for case, bad in res.items():
+            assert bad == [], (case, bad)
