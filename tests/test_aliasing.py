@@ -6,6 +6,9 @@ where the single-device program returns two tensors (a silent wrong result for a
 caller that updates state in place, as torch.optim does). The same holds for the
 gradients that pjit's backward program hands to autograd: ``a + b`` gives both
 inputs one gradient, and ``.grad`` of one clipped in place must not move the other.
+And an output that the backward reads (``exp``'s result) once gave a wrong gradient
+when updated in place before the backward; it now raises torch's own error, as eager
+code does.
 On real gloo ranks (world 2).
 """
 
@@ -64,11 +67,25 @@ def _body():
     loss = pjit(lambda a, b: (a + b).sum(), in_specs=(P(), P()), out_specs=P(), mesh=mesh)
     loss(a, b).backward()
     out["grads"] = _separate([a.grad, b.grad])
+    # an output the backward reads (exp's result), updated in place before the
+    # backward: torch's own error, as in eager code, never a wrong gradient
+    x0 = torch.randn(4, 4)
+    xs = shard(x0.clone(), P(), mesh).requires_grad_()
+    y = pjit(torch.exp, in_specs=P(), out_specs=P(), mesh=mesh)(xs)
+    with torch.no_grad():
+        y.add_(1.0)
+    try:
+        y.sum().backward()
+        out["in-place before backward"] = [f"no error; gradient off by "
+                                           f"{float((xs.grad.full_tensor() - x0.exp()).abs().max())}"]
+    except RuntimeError as e:
+        ok = "modified by an inplace operation" in str(e)
+        out["in-place before backward"] = [] if ok else [f"another error: {e}"]
     return out
 
 
 def test_outputs_never_share_storage(on_ranks):
     for res in on_ranks(2, _body):
-        assert len(res) == 10
+        assert len(res) == 11
         for case, bad in res.items():
             assert bad == [], (case, bad)

@@ -156,7 +156,12 @@ class PjitFunction(torch.autograd.Function):
         # saved too, as anchors of the backward
         anchors = [inputs[1 + i] for i in entry.grad_in]
         ctx.n_residuals = len(output) - n
-        ctx.save_for_backward(*output[n:], *anchors)
+        ctx.n_anchors = len(anchors)
+        # NOTE [Outputs the backward reads]: an output that shares storage with a
+        # residual is saved too, so that an in-place update of it before the backward
+        # raises torch's own "modified by an inplace operation" error, as in eager
+        # code, instead of giving a wrong gradient
+        ctx.save_for_backward(*output[n:], *anchors, *_read_by_backward(output[:n], output[n:]))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -169,10 +174,10 @@ class PjitFunction(torch.autograd.Function):
             return tuple(out)
         if all(g is None for g in cotangents):
             return tuple(out)
-        saved = ctx.saved_tensors
+        saved = ctx.saved_tensors       # (checks the versions of the saved outputs)
         k = ctx.n_residuals
         grads_in = BackwardFunction.apply(call, k, len(cotangents), *saved[:k], *cotangents,
-                                          *saved[k:])
+                                          *saved[k:k + ctx.n_anchors])
         for i, g in zip(entry.grad_in, grads_in):
             out[1 + i] = g
         return tuple(out)
@@ -184,6 +189,22 @@ class PjitFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, *tangents):
         raise NotImplementedError(_JVP.format(name=ctx.call.entry.name))
+
+
+def _storage(t) -> int | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    local = _torch.local_tensor(t) if isinstance(t, DTensor) else t
+    if _torch.is_functorch_wrapped(local) or not local.numel():
+        return None              # (torch.func's wrappers have no storage to compare)
+    return local.untyped_storage().data_ptr()
+
+
+def _read_by_backward(outs, residuals) -> list:
+    """The outputs that share storage with a residual (NOTE [Outputs the backward
+    reads]): ``exp``'s backward reads its result, which is also the output."""
+    saved = {_storage(r) for r in residuals} - {None}
+    return [o for o in outs if _storage(o) in saved]
 
 
 # NOTE [Differentiating the backward]
