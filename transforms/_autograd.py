@@ -191,13 +191,13 @@ class PjitFunction(torch.autograd.Function):
         raise NotImplementedError(_JVP.format(name=ctx.call.entry.name))
 
 
-def _storage(t) -> int | None:
+def _storage(t):
     if not isinstance(t, torch.Tensor):
         return None
     local = _torch.local_tensor(t) if isinstance(t, DTensor) else t
-    if _torch.is_functorch_wrapped(local) or not local.numel():
+    if _torch.is_functorch_wrapped(local):
         return None              # (torch.func's wrappers have no storage to compare)
-    return local.untyped_storage().data_ptr()
+    return _torch.storage_key(local)
 
 
 def _read_by_backward(outs, residuals) -> list:
