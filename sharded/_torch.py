@@ -631,9 +631,26 @@ def abstract_device_mesh(shape, axis_names, rank: int, device_type: str):
     return dm
 
 
-def is_compile_failure(e: BaseException) -> bool:
-    """Did ``torch.compile`` fail to compile (dynamo or inductor raised; asked of an
-    error from the first call of the compiled function, before its code ran)?"""
-    from torch._dynamo.exc import TorchDynamoException
+def compile_ahead(gm, example_inputs: list):
+    """Inductor's code for the aten graph ``gm``, compiled now and not run: the
+    example inputs give the shapes, dtypes and strides (inductor traces them as fake
+    tensors; their data is not read). The compiled code asserts that its inputs have
+    those sizes and strides. Inductor compiles a copy of ``gm``: its pre-grad passes
+    edit the module they are given, and ``gm`` stays the program that ``as_text``
+    shows and that runs if the compile fails. (``torch.compile`` compiles at the
+    first call, inside the run, so it cannot be asked whether it compiled before any
+    of the program's collectives are issued.)"""
+    import copy
 
-    return isinstance(e, TorchDynamoException)
+    import torch.fx as fx
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    module = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    # Fake inputs from a mode with a ShapeEnv (all shapes static): without one,
+    # inductor's and AOTAutograd's on-disk caches are bypassed ("No shape env") and
+    # every process compiles from scratch.
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
+             for x in example_inputs]
+    return compile_fx(module, fakes)

@@ -205,10 +205,17 @@ _GROUPS: dict[tuple, object] = {}
 _GROUPS_LOCK = threading.Lock()
 
 
-def group_for(mesh):
+_TIMEOUTS = {"agree": ("SHARDED_SYNC_TIMEOUT", "300"),
+             "compile": ("SHARDED_COMPILE_TIMEOUT", "3600")}
+
+
+def group_for(mesh, purpose: str = "agree"):
     """The gloo group (bounded timeout) that the ranks of ``mesh`` agree over; None for
-    a mesh of one rank. One group per set of ranks: every mesh over the whole world
-    shares one. ``mesh`` None: the world's."""
+    a mesh of one rank. One group per set of ranks and purpose: every mesh over the
+    whole world shares one. ``mesh`` None: the world's. ``purpose`` "agree": the
+    per-call agreement (``SHARDED_SYNC_TIMEOUT`` seconds, default 300); "compile": the
+    agreement after an inductor compile, which waits for the slowest rank's compiler
+    (``SHARDED_COMPILE_TIMEOUT``, default 3600)."""
     if not dist.is_initialized():
         return None
     if mesh is None:
@@ -220,14 +227,34 @@ def group_for(mesh):
     if len(ranks) == 1:
         return None
     with _GROUPS_LOCK:
-        if ranks not in _GROUPS:
-            secs = float(os.environ.get("SHARDED_SYNC_TIMEOUT", "300"))
+        key = (ranks, purpose)
+        if key not in _GROUPS:
+            var, default = _TIMEOUTS[purpose]
+            secs = float(os.environ.get(var, default))
             world = len(ranks) == dist.get_world_size()
-            _GROUPS[ranks] = dist.new_group(
+            _GROUPS[key] = dist.new_group(
                 list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=secs),
                 use_local_synchronization=not world,
             )
-        return _GROUPS[ranks]
+        return _GROUPS[key]
+
+
+def agree_compiled(mesh, api: str, error: str | None) -> list[tuple[int, str]]:
+    """Every rank of ``mesh`` calls this after compiling a program ahead of its run,
+    with its compile's error (None: it compiled). Returns the same list on every
+    rank: (rank, error) for each rank whose compile failed. Over the "compile" group
+    (``group_for``): a rank whose compiler is slower waits the others up to
+    ``SHARDED_COMPILE_TIMEOUT`` seconds; a rank that dies (a compiler killed for
+    memory) closes its connections, and the others stop at once."""
+    check_usable(api)
+    group = group_for(mesh, "compile") if mesh is not None else None
+    if group is None:
+        return [] if error is None else [(dist.get_rank() if dist.is_initialized() else 0, error)]
+    try:
+        gathered = all_gather_objects((dist.get_rank(), error), group)
+    except Exception as e:  # noqa: BLE001 - a peer failed or died while compiling
+        raise _peer_failure(api, e, "while compiling its program") from None
+    return [(r, err) for r, err in gathered if err is not None]
 
 
 # ---------------------------------------------------------------------------

@@ -78,22 +78,59 @@ def test_compile_true_and_auto_switch(monkeypatch):
 
 
 def test_failed_compile_falls_back_to_the_graph(monkeypatch):
-    from torch._dynamo.exc import BackendCompilerFailed
+    def broken_compile(graph, example_inputs):
+        raise RuntimeError("no C++ compiler")
 
-    def broken_compile(graph, **kwargs):
-        def run(*args):
-            raise BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler"), None)
-        return run
-
-    monkeypatch.setattr(_runner.torch, "compile", broken_compile)
+    monkeypatch.setattr(_runner._torch, "compile_ahead", broken_compile)
     mesh = Mesh((1,), ("dp",))
     f = pjit(lambda x: _tiny(x), in_specs=P(), mesh=mesh, mode=DTensorExpandMode(compile=True))
     x = torch.randn(8)
-    with pytest.warns(UserWarning, match=r"pjit\(<lambda>\): inductor could not compile the program, so it runs as a graph"):
+    with pytest.warns(UserWarning, match=r"pjit\(<lambda>\): inductor could not compile the "
+                                         r"program, so it runs as a graph on every rank \(rank 0: "
+                                         r"RuntimeError: no C\+\+ compiler\)"):
         out = f(x)
     torch.testing.assert_close(gather(out), _tiny(x))
     assert f.lower(x).runner() == "graph (compile failed)"
     torch.testing.assert_close(gather(f(x)), _tiny(x))       # no second warning needed
+
+
+def _compile_fails_on_rank_1():
+    """inductor fails on rank 1 only: the ranks agree on the outcome before anything
+    runs, so both warn and run the graph (before the agreement, rank 0 ran inductor's
+    code and rank 1 the graph)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    real = _runner._torch.compile_ahead
+
+    def fails_on_rank_1(graph, example_inputs):
+        if dist.get_rank() == 1:
+            raise RuntimeError("the compiler was killed")
+        return real(graph, example_inputs)
+
+    _runner._torch.compile_ahead = fails_on_rank_1
+    try:
+        mesh = Mesh((2,), ("dp",))
+        f = pjit(_tiny2, in_specs=P("dp"), mesh=mesh, mode=DTensorExpandMode(compile=True))
+        x = torch.arange(16.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = gather(f(x))
+        second = gather(f(x))
+        return ([str(w.message) for w in caught if "inductor" in str(w.message)],
+                f.lower(x).runner(), first, second)
+    finally:
+        _runner._torch.compile_ahead = real
+
+
+def test_a_compile_failing_on_one_rank_keeps_every_rank_on_the_graph(on_ranks):
+    for messages, kind, first, second in on_ranks(2, _compile_fails_on_rank_1):
+        assert kind == "graph (compile failed)"
+        assert len(messages) == 1 and "runs as a graph on every rank (rank 1: RuntimeError: " \
+            "the compiler was killed)" in messages[0], messages
+        torch.testing.assert_close(first, _tiny2(torch.arange(16.0)))
+        torch.testing.assert_close(second, first)
 
 
 def _compiled_data_parallel_step():

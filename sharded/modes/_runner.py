@@ -5,8 +5,8 @@ Every mode takes ``compile=``:
 
 - ``False``: the local graph's own Python code, one op call per node. No compile
   cost; per-op overhead of a few microseconds.
-- ``True``: ``torch.compile(graph, backend="inductor", fullgraph=True)`` from the
-  first call: elementwise chains fused into C++ (or Triton) kernels, buffers reused.
+- ``True``: inductor's code from the first call: elementwise chains fused into C++
+  (or Triton) kernels, buffers reused.
   Compiling costs seconds to a minute on CPU at the first call; inductor's on-disk
   caches make a later process's compile of the same program several times faster.
 - ``"auto"`` (the default): rent, then buy. The program runs as a graph until the
@@ -40,19 +40,27 @@ functional tensor"): "auto" keeps such a program a graph (donation already remov
 its copies), and ``compile=True`` keeps the fused AdamW functional (the parameters and
 moments then get fresh storage; the donated inputs are still consumed).
 
-Limits: the compile happens inside the first compiled call, so a rank whose compile
-takes longer than ``SHARDED_SYNC_TIMEOUT`` (300 s) past the others' makes them time
-out in the next call's agreement; and a compile that fails on one rank only (a
-compiler killed for memory) leaves that rank on the graph while the others run
-inductor's code, whose collective order may differ. Compiling ahead of the first
-run, on fake inputs, and agreeing on the outcome would close both.
+Compiling ahead. The switch compiles the local graph with inductor directly
+(``_torch.compile_ahead``: ``compile_fx`` on the call's inputs, whose shapes and
+strides the code then asserts; pjit's inputs are always contiguous shards), before
+anything runs, and the ranks then agree on the outcome (``sync.agree_compiled``, one
+small all_gather): inductor's code runs only if every rank compiled, otherwise every
+rank warns, naming the ranks that failed and why, and keeps the graph. So the ranks
+of a program always run the same code, whose collectives are in the same order:
+``torch.compile`` compiles inside the first call's run, where a compile that failed
+on one rank only (a compiler killed for memory, a full disk, a cache written by two
+ranks at once) would leave that rank on the graph while the others ran inductor's
+code. The agreement waits over a group of its own with a long timeout
+(``SHARDED_COMPILE_TIMEOUT``, default 3600 s), so a rank whose compile takes minutes
+longer (a cold cache) is waited for rather than timed out by the 300 s of the
+per-call agreement; a rank that dies while compiling closes its connections and the
+others stop at once with ``RankFailedError``. Nothing ran before the agreement, so a
+failure anywhere leaves no collective half-issued. Compiling the aten graph directly
+also skips dynamo's retrace of it.
 
-If the compile fails (no C++ compiler on the machine, an op inductor cannot lower),
-the runner warns once and keeps the graph: the failure comes before any compiled code
-runs, so no collective was issued and every rank still runs the same collectives in
-the same order. Ranks switch at the same call, so the ranks of a program always run
-the same code: inductor's schedule may order independent collectives differently
-from the graph.
+Limit: a rank that evicted a compiled program from its cache and rebuilt it compiles
+again on its own (the others run the code they have); if that compile fails, this
+rank alone runs the graph, with a warning that says so.
 """
 
 from __future__ import annotations
@@ -189,24 +197,35 @@ class Runner:
         return out
 
     def _first_compiled_call(self, args):
+        """Compile ahead of this call's run, agree on the outcome, then run: inductor's
+        code when every rank compiled, else the graph on every rank (NOTE [Runners],
+        "Compiling ahead")."""
         st = self.state
+        rebuilt = st.decided == "inductor"      # the ranks agreed before this rebuild
         st.decided, st.next_check = "inductor", -1
         st.calls += 1
-        self._compiled = torch.compile(self.graph, backend="inductor", fullgraph=True)
         t0 = time.perf_counter()
         try:
-            out = self._compiled(*args)
-        except Exception as e:
-            if not _torch.is_compile_failure(e):
-                raise
+            compiled, error = _torch.compile_ahead(self.graph, args), None
+        except Exception as e:  # noqa: BLE001 - nothing ran: every failure is a failed compile
+            compiled, error = None, f"{type(e).__name__}: {str(e)[:300]}"
+        seconds = time.perf_counter() - t0
+        if rebuilt:         # (the other ranks run the code they compiled before)
+            failed = [] if error is None else [(-1, error)]
+        else:
+            failed = sync.agree_compiled(self.mesh, self.name, error)
+        if failed:
+            if rebuilt:
+                where = f"on this rank, which rebuilt it ({error})"
+            else:
+                where = "on every rank (" + "; ".join(f"rank {r}: {err}" for r, err in failed) + ")"
             warnings.warn(f"{self.name}: inductor could not compile the program, so it "
-                          f"runs as a graph ({type(e).__name__}: {str(e)[:300]})",
-                          stacklevel=3)
-            self._compiled = None
+                          f"runs as a graph {where}", stacklevel=3)
             st.decided = FAILED
             return self.graph(*args)
-        self.compile_seconds = time.perf_counter() - t0     # (and one run)
-        return out
+        self._compiled = compiled
+        self.compile_seconds = seconds
+        return compiled(*args)
 
 
 def _fused_inplace(graph: fx.GraphModule) -> bool:
