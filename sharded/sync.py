@@ -227,16 +227,19 @@ def group_for(mesh, purpose: str = "agree"):
     if len(ranks) == 1:
         return None
     with _GROUPS_LOCK:
-        key = (ranks, purpose)
-        if key not in _GROUPS:
-            var, default = _TIMEOUTS[purpose]
-            secs = float(os.environ.get(var, default))
+        if (ranks, purpose) not in _GROUPS:
+            # Both groups at once, when the ranks first agree (they all make their
+            # first Mesh together): making a group needs every one of its ranks, and
+            # a rank that died while compiling would leave the others waiting in
+            # new_group for torch's default timeout.
             world = len(ranks) == dist.get_world_size()
-            _GROUPS[key] = dist.new_group(
-                list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=secs),
-                use_local_synchronization=not world,
-            )
-        return _GROUPS[key]
+            for p, (var, default) in _TIMEOUTS.items():
+                secs = float(os.environ.get(var, default))
+                _GROUPS[(ranks, p)] = dist.new_group(
+                    list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=secs),
+                    use_local_synchronization=not world,
+                )
+        return _GROUPS[(ranks, purpose)]
 
 
 def agree_compiled(mesh, api: str, error: str | None) -> list[tuple[int, str]]:

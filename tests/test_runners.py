@@ -277,3 +277,40 @@ def test_donated_adamw_step_compiles_with_inductor():
     p = {k: v.clone() for k, v in params.items()}
     low = auto.lower(p, optim.adamw_init(p), ids, targets)
     assert low._c.runner.state.next_check == -1      # never compiles
+
+
+def _tiny3(x):        # a program of its own in the pooled ranks' caches
+    return torch.relu(x * 3 + 1).sum()
+
+
+def _dies_while_compiling():
+    import torch.distributed as dist
+
+    real = _runner._torch.compile_ahead
+
+    def dies_on_rank_1(graph, example_inputs):
+        if dist.get_rank() == 1:
+            os._exit(7)
+        return real(graph, example_inputs)
+
+    _runner._torch.compile_ahead = dies_on_rank_1
+    try:
+        f = pjit(_tiny3, in_specs=P("dp"), mesh=Mesh((2,), ("dp",)),
+                 mode=DTensorExpandMode(compile=True))
+        return gather(f(torch.arange(16.0)))
+    finally:
+        _runner._torch.compile_ahead = real
+
+
+def test_a_rank_dying_while_compiling_stops_the_others(on_ranks):
+    """The compile agreement waits for a slow compiler (SHARDED_COMPILE_TIMEOUT), but
+    not for a dead rank: rank 0 ends with RankFailedError as soon as rank 1's
+    connections close, and no rank is killed by the pool's grace timeout."""
+    from sharded.launch import RankError
+
+    with pytest.raises(RankError) as info:
+        on_ranks(2, _dies_while_compiling, timeout=120)
+    text = str(info.value)
+    assert "local rank 1 died (exit code 7)" in text, text
+    assert "RankFailedError" in text and "while compiling its program" in text, text
+    assert "killed ---" not in text, text
