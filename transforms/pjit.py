@@ -191,6 +191,11 @@ class Compiled:
     donated_msgs: list = dataclasses.field(default_factory=list)
     reused: dict = dataclasses.field(default_factory=dict)     # donated input path -> output path
 
+    def steady_outcome(self) -> sync.Outcome:
+        """``outcome`` for inputs already in the planned layouts."""
+        return sync.Outcome(self.program, self.lines,
+                            srandom._call_state() if self.n_draws else None)
+
     def outcome(self, leaves: list) -> sync.Outcome:
         """What this call brings to the cross-rank agreement (no communication):
         checks DTensor inputs and folds in those that will be redistributed."""
@@ -212,8 +217,7 @@ class Compiled:
             if leaf.placements != pl:
                 moves.append((self.in_paths[i], tuple(leaf.placements)))
         if not moves:
-            return sync.Outcome(self.program, self.lines,
-                                srandom._call_state() if self.n_draws else None)
+            return self.steady_outcome()
         program = sync.token(self.program, moves)
 
         def lines():
@@ -240,14 +244,21 @@ class Compiled:
                 locals_.append(t if t.is_contiguous() else t.contiguous())
             else:
                 locals_.append(local_slice(leaf.detach(), pl, self.mesh))
+        return self._complete(locals_)
+
+    def _complete(self, locals_: list) -> list:
+        """The inputs' shards, with donated inputs given storage of their own and this
+        call's random seed and offsets appended."""
         if self.donated:
             _separate_donated(locals_, self.donated_local)
         if self.n_draws:
             locals_.extend(srandom._take(self.n_draws, self.rng_device))
         return locals_
 
-    def run(self, leaves: list) -> Any:
-        locals_ = self._locals(leaves, self.in_plan)
+    def run(self, leaves: list, shards: list | None = None) -> Any:
+        """``shards``: the tensor inputs' local shards when the caller already took
+        them (NOTE [The steady-state call])."""
+        locals_ = self._locals(leaves, self.in_plan) if shards is None else self._complete(shards)
         if self.donated:
             try:
                 outs = iter(self.runner(*locals_))
@@ -291,6 +302,106 @@ class Compiled:
         return [_torch.make_dtensor(o, spec) for o, spec in zip(outs[:n], specs)], list(outs[n:])
 
 
+# NOTE [The steady-state call]
+# A training loop calls one program with the same signature every step, its state
+# leaves being the DTensors the last call returned. Such a call is matched against the
+# last call's plan (``_Steady``) instead of building the full signature, hashing it
+# and checking every input's layout: the same mesh object, no keyword arguments, the
+# same static arguments (identity, else type and ==), the same tree structure and
+# ambient state (default dtype, autocast), and per leaf: a DTensor whose spec is the
+# very object seen last time (or equal to it: then the new object is remembered), not
+# requiring grad and not donated; a plain tensor of the same shape, dtype and device,
+# neither requiring grad nor wrapped by torch.func; a static leaf of the same type
+# and value. DTensorSpec covers the mesh, placements, global shape, stride and dtype,
+# and pjit wraps every output in the spec planned at compile time, so from the third
+# step on a state leaf is matched by one identity comparison. The program must still
+# be in the cache (the lookup is an LRU touch): the cache stays the one place that
+# says which programs exist. Anything else takes the full path, which re-arms the
+# plan: a call with keyword arguments, a differentiable call, an input to be
+# redistributed. The per-call agreement still runs: it is what keeps a rank that
+# calls something else from hanging the others.
+
+
+@dataclass(eq=False, slots=True)
+class _Steady:
+    mesh: Mesh
+    nargs: int
+    nums: tuple          # the static argnums, resolved for ``nargs`` arguments
+    static: tuple        # their values
+    treedef: Any
+    ambient: tuple
+    entry: "Compiled"
+    expect: list         # per leaf: a DTensorSpec, ("tensor", shape, dtype, device), ("static", type, value)
+    cache: collections.OrderedDict
+    key: tuple
+
+    @staticmethod
+    def arm(sig: _Signature, entry: "Compiled", outcome, nargs: int, cache, key) -> "_Steady | None":
+        """The plan to match the next call against, or None when this call is not the
+        steady kind (keywords, a backward, inputs that were redistributed)."""
+        if sig.grad is not None or sig.static_kwargs is not None or outcome.program != entry.program:
+            return None
+        expect: list = []
+        for x in sig.leaves:
+            if type(x) is DTensor:
+                expect.append(_torch.dtensor_spec(x))
+            elif type(x) is torch.Tensor:
+                expect.append(("tensor", x.shape, x.dtype, x.device))
+            elif isinstance(x, torch.Tensor):
+                return None
+            else:
+                expect.append(("static", type(x), x))
+        return _Steady(sig.mesh, nargs, sig.static_argnums, sig.static_args, sig.treedef,
+                       sig.ambient, entry, expect, cache, key)
+
+    def match(self, args: tuple, kwargs: dict, mesh) -> "tuple[Compiled, list, list] | None":
+        """(program, leaves, their local shards) when this call has the armed plan's
+        signature and its inputs are in the planned layouts; None: take the full
+        path."""
+        if kwargs or mesh is not self.mesh or len(args) != self.nargs:
+            return None
+        nums = self.nums
+        if nums:
+            for i, v in zip(nums, self.static):
+                a = args[i]
+                if a is not v and (type(a) is not type(v) or a != v):
+                    return None
+            dyn = tuple(a for i, a in enumerate(args) if i not in nums)
+        else:
+            dyn = args
+        leaves, treedef = _tree.flatten(dyn)
+        if treedef != self.treedef or _ambient() != self.ambient:
+            return None
+        expect, plan, shards = self.expect, self.entry.in_plan, []
+        for j, x in enumerate(leaves):
+            want = expect[j]
+            t = type(x)
+            if t is DTensor:
+                spec = _torch.dtensor_spec(x)
+                if spec is not want:
+                    if type(want) is tuple or spec != want:
+                        return None
+                    expect[j] = spec
+                if x.requires_grad or _torch.donated_message(x) is not None:
+                    return None
+                local = _torch.local_tensor(x)      # (contiguous: the program assumes so)
+                shards.append(local if local.is_contiguous() else local.contiguous())
+            elif t is torch.Tensor:
+                if type(want) is not tuple or want[0] != "tensor" or x.shape != want[1] \
+                        or x.dtype != want[2] or x.device != want[3] or x.requires_grad \
+                        or _torch.is_functorch_wrapped(x):
+                    return None
+                shards.append(local_slice(x, plan[j], self.entry.mesh))
+            elif isinstance(x, torch.Tensor) or type(want) is not tuple or want[0] != "static" \
+                    or t is not want[1] or not (x is want[2] or x == want[2]):
+                return None
+        with _CACHE_LOCK:
+            if self.key not in self.cache:
+                return None
+            self.cache.move_to_end(self.key)
+        return self.entry, leaves, shards
+
+
 class Pjit:
     """The callable that pjit returns. ``.lower(*args)`` shows the program."""
 
@@ -328,6 +439,7 @@ class Pjit:
         except TypeError:
             self._config = None
         self._own_cache: collections.OrderedDict = collections.OrderedDict()
+        self._steady: _Steady | None = None      # the last call's plan, to match the next
         self._own_states: collections.OrderedDict = collections.OrderedDict()
         # Programs this object has used (traced, or found in the cache when another
         # pjit of the same function traced them): one per signature, so a count that
@@ -354,16 +466,27 @@ class Pjit:
             raise
         entry = None
         try:
-            sig = self._signature(args, kwargs, mesh)
-            entry = self._lookup(sig) or self._compile(sig, args)
-            outcome = entry.outcome(sig.leaves)
+            hit = self._steady.match(args, kwargs, mesh) if self._steady is not None else None
+            if hit is not None:                    # NOTE [The steady-state call]
+                entry, leaves, shards = hit
+                grad = None
+                outcome = entry.steady_outcome()
+            else:
+                sig = self._signature(args, kwargs, mesh)
+                entry = self._lookup(sig) or self._compile(sig, args)
+                leaves, grad, shards = sig.leaves, sig.grad, None
+                outcome = entry.outcome(leaves)
+                self._steady = _Steady.arm(sig, entry, outcome, len(args), self._cache(),
+                                           self._full_key(sig))
         except Exception as e:  # noqa: BLE001 - every rank must hear about it
             outcome = e
+            self._steady = None
         states = sync.agree(mesh, self.name, outcome)
         if states is not None and entry is not None and entry.n_draws:
             srandom._settle(states, self.name)
-        run = entry.run if sig.grad is None else entry.run_grad
-        return sync.run_guarded(self.name, run, sig.leaves, mesh=mesh)
+        if grad is not None:
+            return sync.run_guarded(self.name, entry.run_grad, leaves, mesh=mesh)
+        return sync.run_guarded(self.name, entry.run, leaves, shards, mesh=mesh)
 
     def lower(self, *args, **kwargs) -> Lowered:
         """Trace and partition for ``args`` without running (no communication). For
