@@ -28,10 +28,10 @@ Every mode takes ``compile=``:
   program stays in step with the others (and runs the compiled code again if they
   do).
 
-Measured on the 2-core CPU machine (README, 2026-11-23): inductor takes the MLP
-8x1024 data-parallel step from 1.10x DDP's time to 0.99x and its tensor-parallel step
-from 0.49x eager DTensor's to 0.47x; on gpt-tiny the difference is within the
-machine's noise (1.05x vs 1.16x DDP in one run, 1.37x vs 1.11x in another). It
+Measured on the 2-core CPU machine (README, 2026-11-24): inductor takes the MLP
+8x1024 data-parallel step from 1.10x DDP's time to 1.00x and its tensor-parallel step
+from 0.50x eager DTensor's to 0.48x; on gpt-tiny the difference is within the
+machine's noise (1.15x vs 1.06x DDP that day, 1.05x vs 1.16x the day before). It
 compiles in 10-80 s cold and 1-13 s with warm caches.
 
 A donated optimizer step runs torch's fused AdamW in place on its donated inputs,
