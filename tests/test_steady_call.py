@@ -127,6 +127,35 @@ def test_static_arguments_mesh_and_ambient_state(mesh):
     assert len(full) == 5
 
 
+class _Scale:
+    """A static argument whose == raises for another value (hashes differ, so the
+    full path's dict lookup never calls it)."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def __hash__(self):
+        return hash(self.k)
+
+    def __eq__(self, other):
+        if self.k != other.k:
+            raise TypeError("cannot compare scales")
+        return True
+
+    def __repr__(self):
+        return f"_Scale({self.k})"
+
+
+def test_a_static_value_that_cannot_be_compared_takes_the_full_path(mesh):
+    f = pjit(lambda x, s: x * s.k, in_specs=(P("dp"),), static_argnums=(1,), mesh=mesh)
+    x = torch.ones(2)
+    for _ in range(3):
+        f(x, _Scale(2.0))
+    full = _count_full_path(f)
+    torch.testing.assert_close(gather(f(x, _Scale(3.0))), torch.full((2,), 3.0))
+    assert len(full) == 1
+
+
 def test_requires_grad_and_donation_take_the_full_path(mesh):
     f, p, x = _armed(mesh)
     full = _count_full_path(f)

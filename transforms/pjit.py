@@ -344,7 +344,10 @@ class _Steady:
         expect: list = []
         for x in sig.leaves:
             if type(x) is DTensor:
-                expect.append(_torch.dtensor_spec(x))
+                spec = _torch.dtensor_spec(x)
+                if spec.tensor_meta is None:
+                    return None
+                expect.append(spec)
             elif type(x) is torch.Tensor:
                 expect.append(("tensor", x.shape, x.dtype, x.device))
             elif isinstance(x, torch.Tensor):
@@ -466,7 +469,7 @@ class Pjit:
             raise
         entry = None
         try:
-            hit = self._steady.match(args, kwargs, mesh) if self._steady is not None else None
+            hit = self._steady_match(args, kwargs, mesh)
             if hit is not None:                    # NOTE [The steady-state call]
                 entry, leaves, shards = hit
                 grad = None
@@ -495,6 +498,15 @@ class Pjit:
         sig = self._signature(args, kwargs, current_mesh(self.mesh, self.name))
         entry = self._lookup(sig, touch=False) or self._compile(sig, args)
         return Lowered(entry, self.name)
+
+    def _steady_match(self, args, kwargs, mesh):
+        """NOTE [The steady-state call]: (program, leaves, shards) or None."""
+        if self._steady is None:
+            return None
+        try:
+            return self._steady.match(args, kwargs, mesh)
+        except Exception:  # noqa: BLE001 - an odd static value's ==: the full path says why
+            return None
 
     # -- Checks and cache key ------------------------------------------------
     def _signature(self, args, kwargs, mesh) -> _Signature:
