@@ -5,6 +5,8 @@ collectives of DDP and FSDP; bad programs are clear errors on every rank."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,6 +129,51 @@ def _train_gpt_blocks(ws, steps=3):
     return kinds
 
 
+CLASS_WEIGHTS = torch.linspace(0.5, 2.0, V)
+
+
+def weighted_train_step(params, opt_state, ids, targets):
+    """train_step with class weights in the cross-entropy: the mean divides by the
+    sum of the counted targets' weights."""
+    def loss(p, ids, targets):
+        b, t = ids.shape
+        x = F.layer_norm(F.embedding(ids, p["emb"]) + p["pos"][:t], (D,), p["ln_w"], p["ln_b"])
+        logits = (x + F.gelu(x @ p["w1"].T + p["b1"]) @ p["w2"].T) @ p["emb"].T
+        return F.cross_entropy(logits.reshape(b * t, V), targets.reshape(b * t), weight=CLASS_WEIGHTS)
+
+    grads, value = torch.func.grad_and_value(loss)(params, ids, targets)
+    params, opt_state = optim.adamw(params, grads, opt_state, lr=1e-2)
+    return params, opt_state, value
+
+
+def _ignored_targets(ws, steps=2):
+    """NOTE [A mean over a split batch]: targets equal to ``ignore_index`` (-100), most
+    in rank 0's rows, and class weights: the mean loss divides by the global count
+    (or weight) of the counted targets, not by each rank's own. Every mode equals one
+    device; without weights, the programs count the targets at their start
+    (count_targets_early)."""
+    ids, targets = batch()
+    targets = targets.clone()
+    targets[0, :4] = -100
+    targets[1, 1] = -100
+    out = {}
+    for name, mode in (("replicate", DataParallelMode("replicate")), ("shard", DataParallelMode("shard")),
+                       ("expand", DTensorExpandMode())):
+        for fn in (train_step, weighted_train_step):
+            step = pjit(fn, in_specs=(P(), P(), P("dp"), P("dp")), mesh=Mesh((ws,), ("dp",)), mode=mode)
+            p, o = init(), optim.adamw_init(init())
+            rp, ro = p, o
+            for _ in range(steps):
+                p, o, loss = step(p, o, ids, targets)
+                rp, ro, ref_loss = fn(rp, ro, ids, targets)
+                torch.testing.assert_close(gather(loss), ref_loss, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(gather(p), rp, rtol=1e-4, atol=1e-5)
+            if fn is train_step:
+                out[name] = sum(1 for n in step.lower(p, o, ids, targets).local_graph.graph.nodes
+                                if n.target is torch.ops.aten.ne.Scalar)
+    return out
+
+
 def _train_all(ws):
     """Every configuration for one world size, in one call to the ranks."""
     out = {}
@@ -138,6 +185,7 @@ def _train_all(ws):
     out[("1d", "shard-small")] = _train((ws,), ("dp",), False,
                                         {"param_sharding": "shard", "bucket_bytes": 512, "prefetch": 2})
     out["gpt-blocks"] = _train_gpt_blocks(ws)
+    out["ignored"] = _ignored_targets(ws)
     return out
 
 
@@ -161,6 +209,13 @@ def test_train_step_equals_single_device(results):
     """(Checked on the ranks: losses, params and AdamW moments after 4 steps.)"""
     ws, res = results
     assert set(res) >= {("1d", "replicate"), ("1d", "shard"), "gpt-blocks"}
+
+
+def test_ignored_targets_are_counted_across_ranks(results):
+    """(Losses and params checked on the ranks.) Each program counts the targets early,
+    from the targets themselves."""
+    _, res = results
+    assert res["ignored"] == {"replicate": 1, "shard": 1, "expand": 1}
 
 
 def test_shard_gathers_block_by_block(results):
@@ -203,11 +258,13 @@ def test_shard_is_fsdp(results):
         assert r["local_numel"][k] == full[k].numel() // (ws if divides else 1)
     kinds = {kind for kind, _, _ in r["collectives"]}
     assert {"all_gather", "reduce_scatter"} <= kinds and "all_to_all" not in kinds
-    # all-reduced: scalars (the loss), and the gradients of state that stays
-    # replicated because its dim 0 does not divide (pos: 6 rows over 4 ranks)
-    replicated = {tuple(full[k].shape) for k, s in r["param_specs"].items() if s == P()}
-    assert {shape for kind, _, shape in r["collectives"] if kind == "all_reduce"} <= {()} | replicated
-    assert (ws == 4) == (replicated == {(T, D)})
+    # all-reduced: the loss and the count of its targets (scalars), and the gradients
+    # of state that stays replicated because its dim 0 does not divide (pos: 6 rows
+    # over 4 ranks); the loss may share their bucket
+    replicated = {k: full[k].numel() for k, s in r["param_specs"].items() if s == P()}
+    reduced = sum(math.prod(shape) for kind, _, shape in r["collectives"] if kind == "all_reduce")
+    assert reduced - sum(replicated.values()) <= 2, r["collectives"]
+    assert (ws == 4) == (set(replicated) == {"pos"})
     small = res[("1d", "shard-small")]["collectives"]
     assert sum(k == "reduce_scatter" for k, _, _ in small) > 1
     assert sum(k == "all_gather" for k, _, _ in small) > 2
@@ -221,9 +278,10 @@ def test_fsdp_composes_with_megatron(on_ranks):
     assert r["param_specs"]["w2"] == P("dp", "tp")
     assert r["param_specs"]["emb"] == P("dp")
     assert r["param_specs"]["b1"] == P("tp")          # its one dim is tp's: replicated over dp
-    # all-reduced over dp: the loss, and b1's gradient (local [16 / 2])
+    # all-reduced over dp: the count of the loss's targets, and b1's gradient (local
+    # [16 / 2]) in one bucket with the loss
     assert {shape for kind, axis, shape in r["collectives"]
-            if kind == "all_reduce" and axis == "dp"} == {(), (H // 2,)}
+            if kind == "all_reduce" and axis == "dp"} == {(), (H // 2 + 1,)}
 
 
 def test_layouts_are_reported(results):

@@ -32,6 +32,7 @@ from sharded.modes import DTensorExpandMode, ParallelMode
 from sharded.modes._runner import RunState
 from sharded.passes import fingerprint, unalias_outputs
 from sharded.random.rewrite import rewrite_random_ops
+from sharded.rules.losses import mean_losses_as_sums
 from sharded.spec import P, check_spec, from_placements, local_slice, to_placements
 from transforms import _autograd
 from transforms._trace import in_global_trace, mutated_inputs, trace_global
@@ -754,6 +755,7 @@ class Pjit:
         out_vals = [n for n in global_gm.graph.nodes if n.op == "output"][0].args[0]
         n_saved = len(out_vals) - n_out
         n_draws = rewrite_random_ops(global_gm, self.name)
+        mean_losses_as_sums(global_gm)          # NOTE [A mean over a split batch]
         rng_placements = [to_placements(P(), mesh)] * 2 if n_draws else []  # seed, offset
         for node, path in zip(global_gm.graph.find_nodes(op="placeholder"),
                               tensor_paths + ["rng seed", "rng offset"]):
