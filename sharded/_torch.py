@@ -35,6 +35,7 @@ c10d_functional = torch.ops._c10d_functional
 
 COLLECTIVE_OPS = {
     c10d_functional.all_reduce.default: "all_reduce",
+    c10d_functional.all_reduce_.default: "all_reduce",     # in place (NOTE [All-reduces in place])
     c10d_functional.all_gather_into_tensor.default: "all_gather",
     c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
     c10d_functional.all_to_all_single.default: "all_to_all",
@@ -647,6 +648,13 @@ def compile_ahead(gm, example_inputs: list):
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     module = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    # AOTAutograd refuses mutating ops with alias annotations: an all-reduce that the
+    # passes made in place (NOTE [All-reduces in place]: nothing reads its input
+    # afterwards) goes back to its functional form, which inductor reinplaces itself
+    for n in module.graph.nodes:
+        if n.op == "call_function" and n.target is c10d_functional.all_reduce_.default:
+            n.target = c10d_functional.all_reduce.default
+    module.recompile()
     # Fake inputs from a mode with a ShapeEnv (all shapes static): without one,
     # inductor's and AOTAutograd's on-disk caches are bypassed ("No shape env") and
     # every process compiles from scratch.

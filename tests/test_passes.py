@@ -303,3 +303,112 @@ def test_memory_estimate_holds_a_collective_input_until_its_wait():
     m = memory(fx.GraphModule(torch.nn.Module(), g))
     # input 1 KiB + grads 1 KiB (held) + rs out 0.5 KiB + other 4 KiB, at "other"
     assert m["peak_bytes"] >= 1024 + 1024 + 512 + 4096, m
+
+
+# -- reads of shapes, counts of targets, all-reduces in place ----------------------------------
+
+def test_like_factories_no_longer_read_their_input():
+    """``ones_like(x)`` reads only x's shape: it becomes ``full``, so a backward's seed
+    no longer waits for the loss's all-reduce (untie_shape_reads)."""
+    from sharded.passes import untie_shape_reads
+
+    def f(x):
+        y = torch.exp(x)
+        return torch.ones_like(y), torch.zeros_like(y, dtype=torch.float64), torch.full_like(y, 3.0), \
+            torch.ones_like(y.t(), memory_format=torch.preserve_format)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.ones(2, 3))
+    gm = dce(untie_shape_reads(gm))
+    gm.recompile()
+    # the non-contiguous y.t() keeps its ones_like (preserve_format keeps strides)
+    assert _count(gm, "ones_like") == 1 and _count(gm, "zeros_like") == 0 and _count(gm, "full_like") == 0
+    a, b, c, d = gm(torch.randn(2, 3))
+    torch.testing.assert_close(a, torch.ones(2, 3))
+    torch.testing.assert_close(b, torch.zeros(2, 3, dtype=torch.float64))
+    torch.testing.assert_close(c, torch.full((2, 3), 3.0))
+    assert d.shape == (3, 2) and d.stride() == (1, 3)
+
+
+def _all_reduce_graph(read_after: bool, input_too: bool):
+    """x = a * 2; r = all_reduce(x); [read x after the all-reduce]; out = wait(r) + 1."""
+    import torch.fx as fx
+
+    from sharded._torch import WAIT_OP, c10d_functional
+
+    with torch._subclasses.FakeTensorMode():
+        g = fx.Graph()
+        a = g.placeholder("a")
+        a.meta["val"] = torch.empty(8)
+        x = a if input_too else g.call_function(torch.ops.aten.mul.Tensor, (a, 2))
+        x.meta["val"] = x.meta.get("val", torch.empty(8))
+        r = g.call_function(c10d_functional.all_reduce.default, (x, "sum", "g"))
+        r.meta["val"] = torch.empty(8)
+        later = g.call_function(torch.ops.aten.mul.Tensor, (x, 3)) if read_after else None
+        if later is not None:
+            later.meta["val"] = torch.empty(8)
+        w = g.call_function(WAIT_OP, (r,))
+        w.meta["val"] = r.meta["val"]
+        out = g.call_function(torch.ops.aten.add.Tensor, (w, 1))
+        out.meta["val"] = torch.empty(8)
+        g.output((out,) + ((later,) if later is not None else ()))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_all_reduces_run_in_place_only_on_dead_intermediates():
+    """NOTE [All-reduces in place]: the functional all-reduce's copy is dropped where
+    nothing else reads its input; an input of the program, or a value read after the
+    all-reduce, keeps the copy. The in-place result is its input's storage (what
+    memory() and the alias analysis of later passes see)."""
+    from sharded._torch import c10d_functional
+    from sharded.passes import reinplace_foreach
+
+    def kinds(gm):
+        return [n.target for n in gm.graph.nodes
+                if n.target in (c10d_functional.all_reduce.default, c10d_functional.all_reduce_.default)]
+
+    from sharded._torch import WAIT_OP, storage_key
+
+    dead = reinplace_foreach(_all_reduce_graph(read_after=False, input_too=False))
+    assert kinds(dead) == [c10d_functional.all_reduce_.default]
+    x = next(n for n in dead.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    wait = next(n for n in dead.graph.nodes if n.target is WAIT_OP)
+    assert storage_key(wait.meta["val"]) == storage_key(x.meta["val"])
+    dead.recompile()
+    assert "all_reduce_" in dead.code
+    for read_after, input_too in ((True, False), (False, True)):
+        gm = reinplace_foreach(_all_reduce_graph(read_after, input_too))
+        assert kinds(gm) == [c10d_functional.all_reduce.default], (read_after, input_too)
+
+
+def test_data_parallel_step_schedule():
+    """A GPT train step under DataParallelMode("replicate"), lowered on an abstract mesh
+    of 2: the count of the loss's targets is all-reduced before the forward's first
+    matmul (count_targets_early), the gradient bucket is reduced in place, and no wait
+    sits between the forward and the backward other than the count's, which the
+    backward's first op needs."""
+    import optree
+
+    from examples import gpt
+    from sharded import Mesh, P, optim
+    from sharded._torch import WAIT_OP, c10d_functional
+    from sharded.modes import DataParallelMode
+    from transforms import pjit
+
+    cfg = gpt.GPTConfig(vocab=64, d_model=32, n_heads=2, n_layers=2, seq=8, sdpa=True)
+    params = optree.tree_map(lambda t: t.to("meta"), gpt.init_params(cfg, 0))
+    ids, tgt = (t.to("meta") for t in gpt.batch(cfg, 4, seed=1))
+    step = pjit(lambda p, o, x, y: gpt.train_step(p, o, x, y, cfg),
+                in_specs=(P(), P(), P("dp"), P("dp")), mesh=Mesh.abstract((2,), ("dp",)),
+                mode=DataParallelMode("replicate"))
+    nodes = list(step.lower(params, optim.adamw_init(params), ids, tgt).local_graph.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    first_mm = min(pos[n] for n in nodes if n.target is torch.ops.aten.mm.default)
+    reductions = [n for n in nodes if n.target in (c10d_functional.all_reduce.default,
+                                                   c10d_functional.all_reduce_.default)]
+    count = next(n for n in reductions if "sum" in n.args[0].args[0].name)
+    assert pos[count] < first_mm
+    bucket = [n for n in reductions if n.args[0].target is torch.ops.aten.cat.default]
+    assert len(bucket) == 1 and bucket[0].target is c10d_functional.all_reduce_.default
+    nll_bwd = next(n for n in nodes if n.target is torch.ops.aten.nll_loss_backward.default)
+    waits = [n for n in nodes if n.target is WAIT_OP and first_mm < pos[n] < pos[nll_bwd]]
+    assert [w.args[0] for w in waits] == [count], waits

@@ -284,8 +284,9 @@ def test_one_rank_failing_to_compile_stops_all(on_ranks):
 
 def test_data_parallel_gradients_are_bucketed_and_overlapped(on_ranks):
     calls, n_params, wait_distance = on_ranks(2, _dp_adamw_bucketed)[0]
-    # One all-reduce carries every gradient (the others are the loss's scalars).
-    assert f"all_reduce sum float32[{n_params}] over 'dp'" in calls, calls
+    # One all-reduce carries every gradient (and the loss's pending sum, which the
+    # backward does not read; the other is the count of the loss's targets).
+    assert f"all_reduce sum float32[{n_params + 1}] over 'dp'" in calls, calls
     assert len(calls) <= 3, calls
     # Its wait is sunk below compute that does not need it (overlap).
     assert wait_distance > 1, wait_distance

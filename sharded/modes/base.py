@@ -26,8 +26,9 @@ import torch.fx as fx
 from torch.distributed.tensor import Placement
 
 from sharded.modes._runner import make_runner
-from sharded.passes import (bucket_all_reduces, cse, dce, hoist_reductions, reinplace_foreach,
-                            remove_identity_views, remove_trivial_collectives, sink_waits)
+from sharded.passes import (bucket_all_reduces, count_targets_early, cse, dce, hoist_reductions,
+                            reinplace_foreach, remove_identity_views, remove_trivial_collectives,
+                            sink_waits, untie_shape_reads)
 
 
 class ShardingRuleError(NotImplementedError):
@@ -67,12 +68,14 @@ class ParallelMode(abc.ABC):
         None to keep the propagated layout."""
 
     def transform_and_compile(self, graph: fx.GraphModule, mesh) -> fx.GraphModule:
-        """Default passes: drop size-1 collectives and identity views, DCE, CSE,
-        bucket all-reduces, sink waits so collectives overlap with compute, and run
-        the optimizer's multi-tensor ops in place where nothing else reads their
+        """Default passes: drop size-1 collectives and identity views, untie reads of
+        shapes only, DCE, CSE, count a loss's targets early, bucket all-reduces, sink
+        waits so collectives overlap with compute, and run the optimizer's
+        multi-tensor ops and all-reduces in place where nothing else reads their
         inputs."""
-        graph = cse(dce(remove_identity_views(remove_trivial_collectives(graph))))
-        graph = reinplace_foreach(sink_waits(bucket_all_reduces(hoist_reductions(graph))),
+        graph = cse(dce(untie_shape_reads(remove_identity_views(remove_trivial_collectives(graph)))))
+        graph = hoist_reductions(count_targets_early(graph))
+        graph = reinplace_foreach(sink_waits(bucket_all_reduces(graph)),
                                   fused=self.compile is not True)
         graph.graph.lint()      # a pass that moved a node before its input fails here
         graph.recompile()

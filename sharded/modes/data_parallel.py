@@ -49,10 +49,10 @@ from sharded.modes._runner import check_compile
 from sharded.modes.base import ParallelMode, Partitioned
 from sharded.modes.dtensor_expand import _ADDITIVE, _LINEAR_IN_PARTIAL, reduce_where_produced
 from sharded.passes import (DEFAULT_BUCKET_BYTES, bound_reduce_scatters, bucket_all_gathers,
-                            bucket_all_reduces, bucket_reduce_scatters, cse, dce,
-                            hoist_reductions, prefetch_all_gathers, regather_distant_uses,
+                            bucket_all_reduces, bucket_reduce_scatters, count_targets_early, cse,
+                            dce, hoist_reductions, prefetch_all_gathers, regather_distant_uses,
                             reinplace_foreach, remove_identity_views, remove_trivial_collectives,
-                            sink_waits)
+                            sink_waits, untie_shape_reads)
 from sharded.spec import P, from_placements, to_placements
 
 _SHARDINGS = ("replicate", "shard")
@@ -180,10 +180,10 @@ class DataParallelMode(ParallelMode):
         reduce-scatters for ``"shard"``, by unit, at most two in flight), parameter
         gathers bucketed by unit in use order and prefetched ``prefetch`` buckets
         ahead, waits sunk to the first use."""
-        graph = cse(dce(remove_identity_views(remove_trivial_collectives(graph))))
+        graph = cse(dce(untie_shape_reads(remove_identity_views(remove_trivial_collectives(graph)))))
         if self.param_sharding == "shard":
             graph = regather_distant_uses(graph)
-        graph = hoist_reductions(graph)
+        graph = hoist_reductions(count_targets_early(graph))
         if self.param_sharding == "shard":
             graph = bucket_reduce_scatters(graph, self.bucket_bytes)
             graph = bucket_all_gathers(graph, self.bucket_bytes)

@@ -7,15 +7,16 @@ once after the last pass, as ``ParallelMode.transform_and_compile`` does.
 
 from sharded.passes.analysis import CollectiveCall, collectives, cost, fingerprint, memory
 from sharded.passes.bucketing import (DEFAULT_BUCKET_BYTES, bucket_all_gathers, bucket_all_reduces,
-                                     bucket_reduce_scatters, bound_reduce_scatters, hoist_reductions,
+                                     bucket_reduce_scatters, bound_reduce_scatters, count_targets_early,
+                                     hoist_reductions,
                                      prefetch_all_gathers, regather_distant_uses, sink_waits,
                                      unit_of_path)
 from sharded.passes.inplace import reinplace_foreach
 from sharded.passes.cleanup import (cse, dce, remove_identity_views, remove_trivial_collectives,
-                                    unalias_outputs)
+                                    unalias_outputs, untie_shape_reads)
 
 __all__ = ["CollectiveCall", "collectives", "cost", "fingerprint", "memory", "cse", "dce", "remove_trivial_collectives", "remove_identity_views",
            "bucket_all_reduces", "bucket_reduce_scatters", "bucket_all_gathers",
            "prefetch_all_gathers", "sink_waits", "bound_reduce_scatters", "unit_of_path",
            "regather_distant_uses", "hoist_reductions", "DEFAULT_BUCKET_BYTES", "reinplace_foreach",
-           "unalias_outputs"]
+           "unalias_outputs", "untie_shape_reads", "count_targets_early"]

@@ -112,7 +112,8 @@ def _key(node: fx.Node):
 
 
 def _bucketable(node: fx.Node) -> bool:
-    return (_wait_of(node) is not None and len(node.users) == 1
+    wait = _wait_of(node)
+    return (wait is not None and len(node.users) == 1 and bool(wait.users)
             and node.args[0].meta.get("val") is not None)
 
 
@@ -306,9 +307,11 @@ def _merge(gm: fx.GraphModule, bucket: list[fx.Node]) -> None:
             parts = [call(aten.reshape.default, (n.args[0], [-1]), v.reshape(-1)) for n, v in zip(bucket, vals)]
             flat = call(aten.cat.default, (parts,), vals[0].new_empty(sum(v.numel() for v in vals)))
         args = (flat,) + tuple(anchor.args[1:])
+        # (the functional all-reduce's result is a tensor of its own, not ``flat``:
+        # reinplace_foreach makes it ``flat`` where nothing else reads that)
         out_val = (flat.meta["val"].new_empty(n_ranks * flat.meta["val"].numel()) if gather else
                    flat.meta["val"].new_empty(1, flat.meta["val"].shape[1]) if target is _REDUCE_SCATTER
-                   else flat.meta["val"])
+                   else torch.empty_like(flat.meta["val"]))
         coll = call(target, args, out_val)
     with g.inserting_before(first_user):
         wait = call(_WAIT, (coll,), out_val)
@@ -372,6 +375,56 @@ def hoist_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             # then be placed before its own input
             pos = {m: i for i, m in enumerate(gm.graph.nodes)}
         anchor = n
+    return gm
+
+
+_NLL_FORWARD = aten.nll_loss_forward.default
+_MEAN, _SUM = 1, 2        # torch's Reduction enum
+
+
+def count_targets_early(gm: fx.GraphModule) -> fx.GraphModule:
+    """A mean cross-entropy over a split batch divides by the number of counted
+    targets on every rank (``nll_loss_forward``'s second result, all-reduced; NOTE [A
+    mean over a split batch]): its backward cannot start before that all-reduce is
+    back, and computed by the loss it
+    is issued only at the end of the forward, a wait on the other rank in the middle
+    of every step. Without class weights it is the number of targets other than
+    ``ignore_index``, so it is computed from the targets themselves, as soon as they
+    exist: ``(target != ignore_index).sum()`` in the loss's dtype, the same count
+    (exact in float32 below 2**24), and ``hoist_reductions`` then issues its
+    all-reduce at the start of the program, where the forward overlaps it (NOTE
+    [Overlap]). Run before ``hoist_reductions``."""
+    g = gm.graph
+    nodes = list(g.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    for n in nodes:
+        if n.op != "call_function" or n.target is not _NLL_FORWARD:
+            continue
+        x, target, weight, reduction, ignore = n.args
+        counts = [u for u in n.users if u.target is operator.getitem and u.args[1] == 1]
+        tval = target.meta.get("val") if isinstance(target, fx.Node) else None
+        cval = counts[0].meta.get("val") if counts else None
+        if weight is not None or reduction not in (_MEAN, _SUM) or len(counts) != 1 or not isinstance(tval, torch.Tensor) \
+                or not isinstance(cval, torch.Tensor) or not any(u.target in _torch.COLLECTIVE_OPS
+                                                                   for u in counts[0].users):
+            continue
+        # computed as soon as the targets exist: moved up with the views that make them
+        # from an input, else just after them
+        start = inputs[-1].next if inputs else nodes[0]
+        order = {m: i for i, m in enumerate(g.nodes)}
+        where = start if _move(target, start, order) else target.next
+        with g.inserting_before(where):
+            kept = g.call_function(aten.ne.Scalar, (target, ignore))
+            total = g.call_function(aten.sum.default, (kept,))
+            count = g.call_function(aten._to_copy.default, (total,), {"dtype": cval.dtype})
+        kept.meta["val"] = tval.new_empty(tval.shape, dtype=torch.bool)
+        total.meta["val"] = tval.new_empty((), dtype=torch.int64)
+        count.meta["val"] = cval
+        counts[0].replace_all_uses_with(count)
+        g.erase_node(counts[0])
+        for u in list(count.users):      # its all-reduce first (hoist_reductions keeps the order)
+            if u.target in _torch.COLLECTIVE_OPS:
+                count.append(u)
     return gm
 
 

@@ -120,6 +120,39 @@ def remove_identity_views(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+_LIKE_FACTORIES = {torch.ops.aten.ones_like.default: 1, torch.ops.aten.zeros_like.default: 0,
+                   torch.ops.aten.full_like.default: None}
+
+
+def untie_shape_reads(gm: fx.GraphModule) -> fx.GraphModule:
+    """``ones_like(x)``, ``zeros_like(x)`` and ``full_like(x, v)`` read only ``x``'s
+    shape, dtype and device, which the graph knows: each becomes ``full(shape, v)``, so
+    it no longer waits for ``x``. A backward's seed ``ones_like(loss)`` read the loss
+    after its all-reduce: the whole backward waited for the loss to cross the ranks
+    (one rank idle while the other caught up, every step). Only for a contiguous ``x``
+    and no other memory format asked (``full`` makes contiguous tensors)."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op != "call_function" or node.target not in _LIKE_FACTORIES:
+            continue
+        x, val = node.args[0], node.meta.get("val")
+        xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+        kw = dict(node.kwargs)
+        if not isinstance(xv, torch.Tensor) or not isinstance(val, torch.Tensor) or not xv.is_contiguous() \
+                or kw.pop("memory_format", None) not in (None, torch.preserve_format, torch.contiguous_format):
+            continue
+        fill = _LIKE_FACTORIES[node.target]
+        fill = node.args[1] if fill is None else fill
+        kw.update(dtype=val.dtype, layout=val.layout, device=val.device)
+        kw.pop("pin_memory", None)
+        with g.inserting_before(node):
+            new = g.call_function(torch.ops.aten.full.default, (list(val.shape), fill), kw)
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+    return gm
+
+
 def unalias_outputs(gm: fx.GraphModule, n: int | None = None) -> bool:
     """Give each of the first ``n`` outputs (all: None) a storage of its own; True if
     the graph changed (then ``gm.recompile()``).

@@ -30,6 +30,17 @@ result is its first operand's storage, so the values that were views of the old
 result are views of that storage now: their ``meta["val"]`` is rebuilt on it, and
 the alias analysis of later ops, ``sharded.passes.memory`` and pjit's report of
 which outputs reuse donated inputs see the storage the program really uses.
+
+# NOTE [All-reduces in place]
+The functional ``all_reduce(x)`` copies ``x`` into a fresh tensor and reduces the copy:
+a gradient bucket (the ``cat`` of a bucket's gradients, 8 MiB by default) is copied
+once more just to be reduced. Where ``x`` is writable (an intermediate of this
+program or a donated input, not an input's or an output's storage, contiguous, and
+nothing but this all-reduce reads it: no other reader after it, and no collective
+before it still in flight), ``all_reduce_(x)`` reduces ``x`` itself and its wait
+returns ``x``. Its result's values (the bucket's split pieces, the gradients) then
+live in ``x``'s storage, and ``memory()`` sees no second buffer. On the MLP 8x1024 step
+(32 MiB of gradients in 4-5 buckets) this is 32 MiB less copied per step.
 """
 
 from __future__ import annotations
@@ -102,6 +113,10 @@ def reinplace_foreach(gm: fx.GraphModule, fused: bool = True) -> fx.GraphModule:
         return key is not None and key not in protected and last_use(x) <= pos[n]
 
     for n in nodes:
+        if n.op == "call_function" and n.target is _ALL_REDUCE:
+            if _reinplace_all_reduce(g, n, protected, by_storage, pos, read_until, retarget):
+                pos = {m: i for i, m in enumerate(g.nodes)}    # after a rewrite only
+            continue
         if n.op == "call_function" and n.target in _FUSED:
             if fused and _reinplace_fused(g, n, writable, retarget):
                 pos = {m: i for i, m in enumerate(g.nodes)}    # after a rewrite only
@@ -202,6 +217,38 @@ def _reinplace_fused(g: fx.Graph, n: fx.Node, writable, retarget) -> bool:
             g.erase_node(v)
         g.erase_node(u)
     g.erase_node(n)
+    return True
+
+
+_ALL_REDUCE = _torch.c10d_functional.all_reduce.default
+_ALL_REDUCE_INPLACE = _torch.c10d_functional.all_reduce_.default
+
+
+def _reinplace_all_reduce(g: fx.Graph, n: fx.Node, protected: set, by_storage: dict, pos: dict,
+                          read_until, retarget) -> bool:
+    """``all_reduce(x)`` -> ``all_reduce_(x)`` (NOTE [All-reduces in place])."""
+    x = n.args[0]
+    xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+    out = n.meta.get("val")
+    if x.op != "call_function" or not isinstance(xv, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    key = _storage(xv)
+    if key is None or key in protected or not xv.is_contiguous():
+        return False
+    if xv.shape != out.shape or xv.dtype != out.dtype or xv.storage_offset() != 0 \
+            or xv.untyped_storage().nbytes() != xv.numel() * xv.element_size():
+        return False      # x is a view into a larger buffer: leave it functional
+    readers = [u for alias in by_storage.get(key, [x]) for u in alias.users if u is not n]
+    if any(read_until(u) > pos[n] for u in readers):
+        return False      # read after the all-reduce, or by a collective still in flight
+    with g.inserting_before(n):
+        new = g.call_function(_ALL_REDUCE_INPLACE, n.args, n.kwargs)
+    new.meta.update(n.meta)
+    new.meta["val"] = xv
+    n.replace_all_uses_with(new)
+    g.erase_node(n)
+    by_storage.setdefault(key, []).append(new)
+    retarget(out, xv)
     return True
 
 
