@@ -651,9 +651,13 @@ def compile_ahead(gm, example_inputs: list):
     # AOTAutograd refuses mutating ops with alias annotations: an all-reduce that the
     # passes made in place (NOTE [All-reduces in place]: nothing reads its input
     # afterwards) goes back to its functional form, which inductor reinplaces itself
-    for n in module.graph.nodes:
+    # The call's agreement point is a Python call inductor does not compile: the
+    # runner checks the agreement before it runs the compiled code.
+    for n in list(module.graph.nodes):
         if n.op == "call_function" and n.target is c10d_functional.all_reduce_.default:
             n.target = c10d_functional.all_reduce.default
+        elif n.meta.get("sharded_agreement"):
+            module.graph.erase_node(n)
     module.recompile()
     # Fake inputs from a mode with a ShapeEnv (all shapes static): without one,
     # inductor's and AOTAutograd's on-disk caches are bypassed ("No shape env") and

@@ -163,6 +163,31 @@ def _one_rank_fails():
     return "no error"
 
 
+def _disagree_in_the_steady_state():
+    """NOTE [The agreement overlaps the program]: two good calls (the second on the
+    steady path, its agreement checked inside the program), then rank 1 calls with
+    another static scale: both ranks raise RankMismatchError at the program's
+    agreement point, before any collective, and the next good call still runs (the
+    process groups were left open), with the right result."""
+    mesh = Mesh((2,), ("dp",))
+    g = pjit(lambda x, s: (x * s).sum(), in_specs=P("dp"), mesh=mesh, static_argnums=1)
+    x = torch.arange(8.0).reshape(4, 2)
+    out = [float(gather(g(x, 2.0))) for _ in range(2)]
+    try:
+        g(x, 3.0 if mesh.rank == 1 else 2.0)
+        out.append("no error")
+    except RankMismatchError as e:
+        # (raised at the program's agreement point, not before the call)
+        out.append(str(e).splitlines()[0] + f" agreement={getattr(e, 'agreement', False)}")
+    out.append(float(gather(g(x, 2.0))))
+    text = g.lower(x, 2.0).as_text()
+    lines = text.splitlines()
+    point = next(i for i, line in enumerate(lines) if "agreed" in line)
+    first = next(i for i, line in enumerate(lines) if "_c10d_functional" in line)
+    out.append(point < first)
+    return out
+
+
 def _dp_adamw_bucketed():
     from sharded import optim
 
@@ -280,6 +305,14 @@ def test_one_rank_failing_to_compile_stops_all(on_ranks):
     r0, r1 = on_ranks(2, _one_rank_fails)
     assert r1.startswith("ValueError") and "does not divide" in r1, r1
     assert r0.startswith("RankFailedError") and "rank 1 failed to build its program" in r0, r0
+
+
+def test_a_disagreement_in_the_steady_state_stops_every_rank_before_communicating(on_ranks):
+    for r in on_ranks(2, _disagree_in_the_steady_state):
+        assert r[:2] == [56.0, 56.0], r
+        assert "ranks called it with different arguments or built different programs" in r[2], r
+        assert r[2].endswith("agreement=True"), r
+        assert r[3:] == [56.0, True], r
 
 
 def test_data_parallel_gradients_are_bucketed_and_overlapped(on_ranks):

@@ -237,6 +237,7 @@ class Compiled:
                 continue
             if isinstance(leaf, DTensor):
                 if leaf.placements != pl:
+                    sync.agreed()         # (communicates: the ranks must agree first)
                     leaf = leaf.redistribute(dm, pl)
                 # the program was traced on contiguous shards (views inside it assume so)
                 t = _torch.local_tensor(leaf)
@@ -468,7 +469,7 @@ class Pjit:
         except Exception as e:  # noqa: BLE001 - the other ranks may be waiting to agree
             sync.agree(None, self.name, e)
             raise
-        entry = None
+        entry, grad = None, None
         try:
             hit = self._steady_match(args, kwargs, mesh)
             if hit is not None:                    # NOTE [The steady-state call]
@@ -485,12 +486,18 @@ class Pjit:
         except Exception as e:  # noqa: BLE001 - every rank must hear about it
             outcome = e
             self._steady = None
-        states = sync.agree(mesh, self.name, outcome)
+        if grad is not None:
+            states = sync.agree(mesh, self.name, outcome)
+        else:       # NOTE [The agreement overlaps the program]
+            states = sync.agree_async(mesh, self.name, outcome)
         if states is not None and entry is not None and entry.n_draws:
             srandom._settle(states, self.name)
         if grad is not None:
             return sync.run_guarded(self.name, entry.run_grad, leaves, mesh=mesh)
-        return sync.run_guarded(self.name, entry.run, leaves, shards, mesh=mesh)
+        try:
+            return sync.run_guarded(self.name, entry.run, leaves, shards, mesh=mesh)
+        finally:
+            sync.drop_pending()
 
     def lower(self, *args, **kwargs) -> Lowered:
         """Trace and partition for ``args`` without running (no communication). For
@@ -775,8 +782,9 @@ class Pjit:
             placeholders[k].meta["sharded_donated"] = True
         t1 = time.perf_counter()
         local_gm = self.mode.transform_and_compile(part.graph, mesh)
-        if unalias_outputs(local_gm, n_out):   # (every mode: residuals are not the user's)
-            local_gm.recompile()
+        unalias_outputs(local_gm, n_out)       # (every mode: residuals are not the user's)
+        _agreement_point(local_gm)
+        local_gm.recompile()
         times.update(partition=t1 - t0, passes=time.perf_counter() - t1)
         reused = _reused_inputs(local_gm, donated_local, [paths[j] for j in donated], out_paths
                                 ) if donated else {}
@@ -1031,6 +1039,18 @@ def _reused_inputs(gm: fx.GraphModule, donated_local: list[int], in_paths: list[
 # take it. Views are recomputed in the backward (NOTE [Views are recomputed in the
 # backward] in transforms/_trace.py), so a residual rarely has one; if one does, the
 # forward is partitioned again with that residual's strided mesh axes replicated.
+
+
+def _agreement_point(gm) -> None:
+    """Check the call's agreement just before the program's first collective (or its
+    end, if it has none): NOTE [The agreement overlaps the program]. Inductor's copy
+    leaves the call out; its runner checks before running it."""
+    g = gm.graph
+    where = next((n for n in g.nodes if n.op == "call_function" and n.target in _torch.COLLECTIVE_OPS),
+                 None) or next(n for n in reversed(g.nodes) if n.op == "output")
+    with g.inserting_before(where):
+        point = g.call_function(sync.agreed, ())
+    point.meta["sharded_agreement"] = True
 
 
 def _plain_residual_specs(placements: list, vals: list, mesh) -> list | None:

@@ -186,10 +186,13 @@ class Runner:
     def __call__(self, *args):
         st = self.state
         if self._compiled is None and (st.next_check != -1 or st.decided == "inductor") \
-                and self._switch_now():
-            return self._first_compiled_call(args)
+                and (st.decided == "inductor" or self.budget <= 0 or st.calls == st.next_check):
+            sync.agreed()     # before this call's collectives (NOTE [The agreement overlaps the program])
+            if self._switch_now():
+                return self._first_compiled_call(args)
         st.calls += 1
         if self._compiled is not None:
+            sync.agreed()
             return self._compiled(*args)
         t0 = time.perf_counter()
         out = self.graph(*args)
