@@ -412,3 +412,32 @@ def test_data_parallel_step_schedule():
     nll_bwd = next(n for n in nodes if n.target is torch.ops.aten.nll_loss_backward.default)
     waits = [n for n in nodes if n.target is WAIT_OP and first_mm < pos[n] < pos[nll_bwd]]
     assert [w.args[0] for w in waits] == [count], waits
+
+
+def test_large_gradients_are_reduce_scattered_without_a_copy():
+    """NOTE [Bucketing]: under "shard", a gradient larger than PACK_BYTES (a 4 MiB
+    weight) is reduce-scattered as it is, not copied into a bucket (which kept it and
+    its copy alive at once); the biases still share buckets. Lowered on an abstract
+    mesh of 2 with meta tensors."""
+    import math
+
+    import optree
+
+    from benchmarks import _models as M
+    from sharded import Mesh, P, optim
+    from sharded.modes import DataParallelMode
+    from sharded.passes.bucketing import PACK_BYTES
+    from transforms import pjit
+
+    params = optree.tree_map(lambda t: t.to("meta"), M.mlp_init(1024, 3))
+    x = torch.empty(8, 1024, device="meta")
+    step = pjit(M.mlp_train_step, in_specs=(P(), P(), P("dp"), P("dp")),
+                mesh=Mesh.abstract((2,), ("dp",)), mode=DataParallelMode("shard"))
+    low = step.lower(params, optim.adamw_init(params), x, x)
+    nodes = {n.name: n for n in low.local_graph.graph.nodes}
+    scatters = [c for c in low.collectives() if c.kind == "reduce_scatter"]
+    big = [c for c in scatters if c.bytes > PACK_BYTES]
+    assert len(big) == 3, scatters
+    assert all(nodes[c.node].args[0].target is not torch.ops.aten.cat.default for c in big)
+    assert sum(math.prod(c.shape) for c in scatters) == sum(t.numel() for t in optree.tree_leaves(params))
+    assert len(scatters) < 3 + 3, scatters     # the biases share at least one bucket

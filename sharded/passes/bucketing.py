@@ -38,8 +38,12 @@ forward's gather and the backward's regather stay two collectives, and full weig
 live from their gather to their last use in that pass, not across the step. (Byte
 caps alone once put a small GPT's every gather, forward and backward, into one
 bucket, alive for the whole step.) A reduction takes the unit of the latest gather
-before it (the block whose backward produced it). A reduce-scatter's input (the
-bucket's full-size gradients) lives until its wait; ``bound_reduce_scatters`` waits
+before it (the block whose backward produced it). A gradient larger than
+``PACK_BYTES`` is reduce-scattered as it is, outside any bucket: copied into one, it
+and its copy were alive at once (4 MiB more at the MLP 8x1024 step's peak, which
+then read 1.07x FSDP2's), and at that size a collective's latency is a small part of
+its cost; the smaller gradients around it still share buckets. A reduce-scatter's
+input (the bucket's full-size gradients) lives until its wait; ``bound_reduce_scatters`` waits
 for each before the one ``inflight`` places later is issued, so at most ``inflight``
 buckets of full gradients are alive at once (gloo runs one group's collectives in
 order, so by the time the later one is issued the earlier has usually finished; the
@@ -215,6 +219,8 @@ def _bucket(gm: fx.GraphModule, target, bucket_bytes: int) -> fx.GraphModule:
             flush(k)
             continue
         nbytes = sizes[n]
+        if target is _REDUCE_SCATTER and nbytes > PACK_BYTES:
+            continue          # reduce-scattered as it is (NOTE [Bucketing]); the bucket stays open
         unit, src = units[n]
         if k in open_:
             members, size, earliest_use = open_[k]
