@@ -177,7 +177,7 @@ class DataParallelMode(ParallelMode):
     def transform_and_compile(self, graph: fx.GraphModule, mesh) -> fx.GraphModule:
         """Cleanup, CSE, then the communication schedule (NOTE [Bucketing], NOTE
         [Overlap]): gradient reductions bucketed in backward order (all-reduces, or
-        reduce-scatters for ``"shard"``, by unit, at most two in flight), parameter
+        reduce-scatters for ``"shard"``, by unit, one in flight), parameter
         gathers bucketed by unit in use order and prefetched ``prefetch`` buckets
         ahead, waits sunk to the first use."""
         graph = cse(dce(untie_shape_reads(remove_identity_views(remove_trivial_collectives(graph)))))
@@ -190,7 +190,7 @@ class DataParallelMode(ParallelMode):
         graph = bucket_all_reduces(graph, self.bucket_bytes)
         graph = sink_waits(graph)
         if self.param_sharding == "shard":
-            graph = bound_reduce_scatters(graph)
+            graph = bound_reduce_scatters(graph, inflight=1)
             graph = prefetch_all_gathers(graph, self.prefetch)
         graph = reinplace_foreach(graph, fused=self.compile is not True)
         graph.graph.lint()
