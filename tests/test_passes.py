@@ -382,10 +382,11 @@ def test_all_reduces_run_in_place_only_on_dead_intermediates():
 
 def test_data_parallel_step_schedule():
     """A GPT train step under DataParallelMode("replicate"), lowered on an abstract mesh
-    of 2: the count of the loss's targets is all-reduced before the forward's first
-    matmul (count_targets_early), the gradient bucket is reduced in place, and no wait
-    sits between the forward and the backward other than the count's, which the
-    backward's first op needs."""
+    of 2: the count of the loss's targets is all-reduced inside the forward, with
+    matmuls before it (they overlap the call's agreement, checked just before it) and
+    after it (they overlap the count's own all-reduce; count_targets_early), the
+    gradient bucket is reduced in place, and no wait sits between the forward and the
+    backward other than the count's, which the backward's first op needs."""
     import optree
 
     from examples import gpt
@@ -402,11 +403,17 @@ def test_data_parallel_step_schedule():
                 mode=DataParallelMode("replicate"))
     nodes = list(step.lower(params, optim.adamw_init(params), ids, tgt).local_graph.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    first_mm = min(pos[n] for n in nodes if n.target is torch.ops.aten.mm.default)
+    from sharded import sync
+
+    mms = [pos[n] for n in nodes if n.target is torch.ops.aten.mm.default]
+    first_mm = min(mms)
     reductions = [n for n in nodes if n.target in (c10d_functional.all_reduce.default,
                                                    c10d_functional.all_reduce_.default)]
     count = next(n for n in reductions if "sum" in n.args[0].args[0].name)
-    assert pos[count] < first_mm
+    nll = next(n for n in nodes if n.target is torch.ops.aten.nll_loss_forward.default)
+    point = next(n for n in nodes if n.target is sync.agreed)
+    assert pos[point] < pos[count] == min(pos[n] for n in reductions)
+    assert any(m < pos[point] for m in mms) and any(pos[count] < m < pos[nll] for m in mms)
     bucket = [n for n in reductions if n.args[0].target is torch.ops.aten.cat.default]
     assert len(bucket) == 1 and bucket[0].target is c10d_functional.all_reduce_.default
     nll_bwd = next(n for n in nodes if n.target is torch.ops.aten.nll_loss_backward.default)

@@ -34,11 +34,11 @@ which outputs reuse donated inputs see the storage the program really uses.
 # NOTE [All-reduces in place]
 The functional ``all_reduce(x)`` copies ``x`` into a fresh tensor and reduces the copy:
 a gradient bucket (the ``cat`` of a bucket's gradients, 8 MiB by default) is copied
-once more just to be reduced. Where ``x`` is writable (an intermediate of this
-program or a donated input, not an input's or an output's storage, contiguous, and
-nothing but this all-reduce reads it: no other reader after it, and no collective
-before it still in flight), ``all_reduce_(x)`` reduces ``x`` itself and its wait
-returns ``x``. Its result's values (the bucket's split pieces, the gradients) then
+once more just to be reduced. Where ``x`` is an intermediate of this program that
+owns its whole storage (not an input's or an output's, not a view into a larger
+buffer, contiguous) and nothing but this all-reduce reads it (no other reader after
+it, and no collective before it still in flight), ``all_reduce_(x)`` reduces ``x``
+itself and its wait returns ``x``. Its result's values (the bucket's split pieces, the gradients) then
 live in ``x``'s storage, and ``memory()`` sees no second buffer. On the MLP 8x1024 step
 (32 MiB of gradients in 4-5 buckets) this is 32 MiB less copied per step.
 """

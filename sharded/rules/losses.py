@@ -39,7 +39,8 @@ def mean_losses_as_sums(gm: fx.GraphModule) -> int:
     g = gm.graph
     count = 0
     for n in list(g.nodes):
-        if n.op != "call_function" or n.target not in _FORWARDS or n.args[3] != _MEAN:
+        if n.op != "call_function" or n.target not in _FORWARDS or len(n.args) != 5 \
+                or n.args[3] != _MEAN:
             continue
         vals = n.meta.get("val")
         loss_users = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
