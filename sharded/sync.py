@@ -25,14 +25,17 @@ time on a busy machine; the step without it took 1.4 ms less CPU). Where nothing
 needs the verdict before the program starts (no random seed to settle, no input to
 redistribute, not a differentiable call), ``agree_async`` issues the same all-reduce
 without waiting, and ``agreed()`` waits for it and checks it where the program is
-about to communicate: pjit puts a call to it just before the first collective of
-every local program (the program's own compute before that point overlaps it), and
-a runner that runs inductor's code calls it before that code. No collective of the
-program, and no redistribution of an input, is issued before the verdict, so ranks
-that disagree still never meet in a wrong collective: every rank raises the same
-verdict there, and that error (marked ``agreement=True``) leaves the process groups
-usable, as before. The price: a rank that disagrees computes the program's opening
-local ops before it raises.
+about to communicate or write: pjit puts a call to it just before the first op of
+every local program that is not a pure aten op (a collective, an in-place write that
+may land in a donated input, another namespace's op; the program's own compute
+before that point overlaps the agreement), and a runner that runs inductor's code
+calls it before that code. No collective of the program, no redistribution of an
+input and no write into a donated input happens before the verdict, so ranks that
+disagree still never meet in a wrong collective: every rank raises the same verdict
+there, and that error (marked ``agreement=True``) leaves the process groups usable,
+the donated inputs the caller's, and the runner's count of runs (its compile checks
+are collectives at calls 1, 2, 4, ...) as it was. The price: a rank that disagrees
+computes the program's opening local ops before it raises.
 
 # NOTE [Failures reach every rank]
 A rank that fails while its program runs (after the agreement: an IndexError in its

@@ -1,6 +1,8 @@
 """pjit behaviour on real ranks: caching, static args, layouts in and out, pytrees,
 vmap, sharding constraints, the Megatron collective count, and cross-rank checks."""
 
+import os
+import re
 from collections import namedtuple
 
 import pytest
@@ -9,6 +11,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from sharded import Mesh, P, gather, shard, spec_of, with_sharding_constraint
+from sharded.modes import DTensorExpandMode
 from sharded.sync import RankFailedError, RankMismatchError
 from tests.models import MLP_SHAPES, MLP_TP, init, mlp, specs_of
 from transforms import pjit
@@ -163,29 +166,44 @@ def _one_rank_fails():
     return "no error"
 
 
-def _disagree_in_the_steady_state():
-    """NOTE [The agreement overlaps the program]: two good calls (the second on the
-    steady path, its agreement checked inside the program), then rank 1 calls with
+def _disagree_in_the_steady_state(donate: bool):
+    """NOTE [The agreement overlaps the program]: three good calls (from the second on
+    the steady path, the agreement checked inside the program), then rank 1 calls with
     another static scale: both ranks raise RankMismatchError at the program's
-    agreement point, before any collective, and the next good call still runs (the
-    process groups were left open), with the right result."""
-    mesh = Mesh((2,), ("dp",))
-    g = pjit(lambda x, s: (x * s).sum(), in_specs=P("dp"), mesh=mesh, static_argnums=1)
-    x = torch.arange(8.0).reshape(4, 2)
-    out = [float(gather(g(x, 2.0))) for _ in range(2)]
+    agreement point, before any collective, and the next good calls still run (the
+    process groups were left open), with the right result. The runner's compile
+    checks (all-reduces at its calls 1, 2, 4, 8, ...; asked here with a budget never
+    reached) stay in step: the stopped call was no run on either rank. Donated: the
+    stopped call wrote nothing and the inputs stay usable."""
+    os.environ["SHARDED_COMPILE_MIN_OPS"], os.environ["SHARDED_COMPILE_BUDGET"] = "0", "1e9"
     try:
-        g(x, 3.0 if mesh.rank == 1 else 2.0)
-        out.append("no error")
-    except RankMismatchError as e:
-        # (raised at the program's agreement point, not before the call)
-        out.append(str(e).splitlines()[0] + f" agreement={getattr(e, 'agreement', False)}")
-    out.append(float(gather(g(x, 2.0))))
-    text = g.lower(x, 2.0).as_text()
-    lines = text.splitlines()
-    point = next(i for i, line in enumerate(lines) if "agreed" in line)
-    first = next(i for i, line in enumerate(lines) if "_c10d_functional" in line)
-    out.append(point < first)
-    return out
+        mesh = Mesh((2,), ("dp",))
+        g = pjit(lambda x, s: x * s + 1, in_specs=P("dp"), mesh=mesh, static_argnums=1,
+                 donate_argnums=(0,) if donate else (), mode=DTensorExpandMode(compile="auto"))
+        x = shard(torch.arange(8.0).reshape(4, 2), P("dp"), mesh)
+        out = []
+        for _ in range(3):                  # (the runner asks at calls 1 and 2, not 3)
+            x = g(x, 2.0)
+        out.append(gather(x).sum().item())
+        try:
+            g(x, 3.0 if mesh.rank == 1 else 2.0)
+            out.append("no error")
+        except RankMismatchError as e:
+            # (raised at the program's agreement point, not before the call)
+            out.append(str(e).splitlines()[0] + f" agreement={getattr(e, 'agreement', False)}")
+        for _ in range(6):                  # past the compile checks at calls 4 and 8
+            x = g(x, 2.0)
+        out.append(gather(x).sum().item())
+        # before the agreement point: no collective and no in-place write (donated,
+        # x * 2 + 1 runs in x's storage: mul_, add_)
+        lines = g.lower(x, 2.0).as_text().splitlines()
+        point = next(i for i, line in enumerate(lines) if "agreed" in line)
+        inplace = [i for i, line in enumerate(lines) if re.search(r"aten\.\w+_\.", line)]
+        out.append(not any("_c10d_functional" in line for line in lines[:point])
+                   and bool(inplace) == donate and all(point < i for i in inplace))
+        return out
+    finally:
+        del os.environ["SHARDED_COMPILE_MIN_OPS"], os.environ["SHARDED_COMPILE_BUDGET"]
 
 
 def _dp_adamw_bucketed():
@@ -307,12 +325,15 @@ def test_one_rank_failing_to_compile_stops_all(on_ranks):
     assert r0.startswith("RankFailedError") and "rank 1 failed to build its program" in r0, r0
 
 
-def test_a_disagreement_in_the_steady_state_stops_every_rank_before_communicating(on_ranks):
-    for r in on_ranks(2, _disagree_in_the_steady_state):
-        assert r[:2] == [56.0, 56.0], r
-        assert "ranks called it with different arguments or built different programs" in r[2], r
-        assert r[2].endswith("agreement=True"), r
-        assert r[3:] == [56.0, True], r
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_disagreement_in_the_steady_state_stops_every_rank_before_communicating(on_ranks, donate):
+    # x = arange(8): n steps of x * 2 + 1 give 2**n x + 2**n - 1: three sum to
+    # 8 * 28 + 7 * 8, nine to 512 * 28 + 511 * 8
+    for r in on_ranks(2, _disagree_in_the_steady_state, donate):
+        assert r[0] == 8 * 28 + 7 * 8, r
+        assert "ranks called it with different arguments or built different programs" in r[1], r
+        assert r[1].endswith("agreement=True"), r
+        assert r[2:] == [512 * 28 + 511 * 8, True], r
 
 
 def test_data_parallel_gradients_are_bucketed_and_overlapped(on_ranks):

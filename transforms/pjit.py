@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import operator
 import os
 import re
 import threading
@@ -264,8 +265,13 @@ class Compiled:
         if self.donated:
             try:
                 outs = iter(self.runner(*locals_))
-            finally:
-                self._consume(leaves)
+            except BaseException as e:
+                # stopped by the agreement before writing anything (NOTE [The agreement
+                # overlaps the program]): the donated inputs are still the caller's
+                if not getattr(e, "agreement", False):
+                    self._consume(leaves)
+                raise
+            self._consume(leaves)
         else:
             outs = iter(self.runner(*locals_))
         flat = [v if kind == "static" else _torch.make_dtensor(next(outs), v)
@@ -1042,12 +1048,24 @@ def _reused_inputs(gm: fx.GraphModule, donated_local: list[int], in_paths: list[
 
 
 def _agreement_point(gm) -> None:
-    """Check the call's agreement just before the program's first collective (or its
-    end, if it has none): NOTE [The agreement overlaps the program]. Inductor's copy
-    leaves the call out; its runner checks before running it."""
+    """Check the call's agreement just before the first op of the program that is not
+    a pure aten op (a collective, an in-place write that may land in a donated input,
+    any other namespace's op: DTensor's CUDA all-to-all is ``_dtensor::``), or at its
+    end: NOTE [The agreement overlaps the program]. Before that point the program only
+    computes into its own memory, so ranks that disagree stop with nothing sent and
+    nothing overwritten. Inductor's copy leaves the call out; its runner checks before
+    running it."""
     g = gm.graph
-    where = next((n for n in g.nodes if n.op == "call_function" and n.target in _torch.COLLECTIVE_OPS),
-                 None) or next(n for n in reversed(g.nodes) if n.op == "output")
+
+    def local(n) -> bool:
+        if n.op != "call_function":
+            return n.op in ("placeholder", "get_attr")
+        if isinstance(n.target, _torch.OpOverload):
+            return n.target.namespace == "aten" and not _torch.is_mutating_op(n.target) \
+                and n.target not in _torch.COLLECTIVE_OPS
+        return n.target is operator.getitem
+
+    where = next(n for n in g.nodes if not local(n))     # (the output node at the latest)
     with g.inserting_before(where):
         point = g.call_function(sync.agreed, ())
     point.meta["sharded_agreement"] = True

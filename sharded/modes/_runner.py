@@ -190,12 +190,20 @@ class Runner:
             sync.agreed()     # before this call's collectives (NOTE [The agreement overlaps the program])
             if self._switch_now():
                 return self._first_compiled_call(args)
-        st.calls += 1
         if self._compiled is not None:
             sync.agreed()
+            st.calls += 1
             return self._compiled(*args)
+        st.calls += 1
         t0 = time.perf_counter()
-        out = self.graph(*args)
+        try:
+            out = self.graph(*args)
+        except BaseException as e:
+            # the ranks count runs alike (the compile checks at calls 1, 2, 4, ... are
+            # collectives): a call stopped by its agreement, inside the graph, was no run
+            if getattr(e, "agreement", False):
+                st.calls -= 1
+            raise
         st.graph_seconds += time.perf_counter() - t0
         return out
 
