@@ -41,6 +41,10 @@ COLLECTIVE_OPS = {
     c10d_functional.all_to_all_single.default: "all_to_all",
     c10d_functional.broadcast.default: "broadcast",
 }
+# DTensor's Shard(i) -> Shard(j) on CUDA meshes (gloo takes an all-gather instead): a
+# collective the fingerprint and Lowered.collectives() must see. Synchronous: no wait.
+if hasattr(torch.ops, "_dtensor") and hasattr(torch.ops._dtensor, "shard_dim_alltoall"):
+    COLLECTIVE_OPS[torch.ops._dtensor.shard_dim_alltoall.default] = "all_to_all"
 WAIT_OP = c10d_functional.wait_tensor.default
 
 

@@ -448,3 +448,25 @@ def test_large_gradients_are_reduce_scattered_without_a_copy():
     assert all(nodes[c.node].args[0].target is not torch.ops.aten.cat.default for c in big)
     assert sum(math.prod(c.shape) for c in scatters) == sum(t.numel() for t in optree.tree_leaves(params))
     assert len(scatters) < 3 + 3, scatters     # the biases share at least one bucket
+
+
+def test_dtensor_cuda_all_to_all_is_a_collective():
+    """DTensor's Shard(i) -> Shard(j) on CUDA meshes records
+    ``_dtensor::shard_dim_alltoall`` (gloo takes an all-gather instead, so the CPU runs
+    never show it): it is a collective for the fingerprint and ``collectives()``."""
+    import torch.fx as fx
+
+    from sharded import Mesh
+    from sharded.passes import collectives
+
+    mesh = Mesh.abstract((2,), ("dp",))
+    group = mesh.device_mesh.get_group(0).group_name
+    with torch._subclasses.FakeTensorMode():
+        g = fx.Graph()
+        a = g.placeholder("a")
+        a.meta["val"] = torch.empty(4, 8)
+        t = g.call_function(torch.ops._dtensor.shard_dim_alltoall.default, (a, 0, 1, group))
+        t.meta["val"] = torch.empty(8, 4)
+        g.output((t,))
+    calls = collectives(fx.GraphModule(torch.nn.Module(), g), mesh)
+    assert [(c.kind, c.shape, c.axis, c.group_size) for c in calls] == [("all_to_all", (4, 8), "dp", 2)]
