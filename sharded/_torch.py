@@ -654,9 +654,9 @@ def compile_ahead(gm, example_inputs: list):
     module = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     # AOTAutograd refuses mutating ops with alias annotations: an all-reduce that the
     # passes made in place (NOTE [All-reduces in place]: nothing reads its input
-    # afterwards) goes back to its functional form, which inductor reinplaces itself
-    # The call's agreement point is a Python call inductor does not compile: the
-    # runner checks the agreement before it runs the compiled code.
+    # afterwards) goes back to its functional form, which inductor reinplaces itself.
+    # The call's agreement point is a Python call inductor does not compile: it is
+    # left out, and the runner checks the agreement before it runs the compiled code.
     for n in list(module.graph.nodes):
         if n.op == "call_function" and n.target is c10d_functional.all_reduce_.default:
             n.target = c10d_functional.all_reduce.default

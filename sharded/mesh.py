@@ -260,7 +260,14 @@ def _ensure_process_group(shape, device_type):
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend)
-            atexit.register(_release_at_exit)
+            # destroyed when the program ends, before the interpreter tears down:
+            # gloo's worker threads, still alive at C++ static destruction, aborted a
+            # rank at exit now and then ("terminate called without an active
+            # exception", SIGABRT after the run had finished; once in CI's torchrun
+            # test of examples/gpt_train.py). Non-daemon threads (an async
+            # checkpoint's) have finished by then; groups the program destroyed
+            # itself leave nothing to do.
+            atexit.register(_torch.release_process_groups)
         elif need == 1:
             dist.init_process_group("gloo", store=_torch.hash_store(), rank=0, world_size=1)
         else:
@@ -275,17 +282,6 @@ def _ensure_process_group(shape, device_type):
             f"Mesh{shape} has {need} ranks but the world has {world}; the mesh must "
             f"cover every rank (its shape's product must equal the world size)."
         )
-
-
-def _release_at_exit() -> None:
-    """The process groups this module started (under torchrun) are destroyed when the
-    program ends, before the interpreter tears down: gloo's worker threads, still
-    alive at C++ static destruction, aborted a rank at exit now and then ("terminate
-    called without an active exception", SIGABRT: torchrun reported the run failed
-    after it had finished; seen once in CI's torchrun test of examples/gpt_train.py).
-    Non-daemon threads (an async checkpoint's) have finished by then; a program that
-    destroyed its groups itself finds nothing left to do."""
-    _torch.release_process_groups()
 
 
 def _default_device_type() -> str:

@@ -130,14 +130,23 @@ def agree(mesh, api: str, outcome) -> list | None:
     path); after a full exchange, the list of every rank's ``rng`` (to settle the
     seed). Otherwise raises on every rank (see NOTE [Agreement on every call]).
     ``mesh`` None: the world (a rank that could not even find its mesh)."""
+    issued = _issue(mesh, api, outcome)
+    if issued is None:                         # one rank: nothing to compare
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return [outcome.rng] if outcome.rng is not None and outcome.rng[0] is None else None
+    return _verdict(issued, api, outcome)
+
+
+def _issue(mesh, api: str, outcome):
+    """Start the agreement's all-reduce of ``[t, -t]``; ``(work, buf, group)``, or None
+    for a mesh of one rank."""
     check_usable(api)
     if mesh is not None:
         mesh.require_ranks(api)        # an abstract mesh's collectives are fakes
     group = group_for(mesh)
-    if group is None:                          # one rank: nothing to compare
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return [outcome.rng] if outcome.rng is not None and outcome.rng[0] is None else None
+    if group is None:
+        return None
     if isinstance(outcome, BaseException):
         t = FORCE
     elif outcome.rng is None:
@@ -148,7 +157,18 @@ def agree(mesh, api: str, outcome) -> list | None:
         t = token(outcome.program, outcome.rng[0], outcome.rng[1])
     buf = torch.tensor([t, -t], dtype=torch.int64)
     try:
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    except Exception as e:  # noqa: BLE001 - a peer failed or died
+        raise _peer_failure(api, e, "before running its program") from None
+    return work, buf, group
+
+
+def _verdict(issued, api: str, outcome) -> list | None:
+    """Wait for the all-reduce ``_issue`` started: None when every rank agrees, else
+    the full exchange (its list of random states, or the verdict raised)."""
+    work, buf, group = issued
+    try:
+        work.wait()
     except Exception as e:  # noqa: BLE001 - a peer failed or died
         raise _peer_failure(api, e, "before running its program") from None
     hi, neg_lo = buf.tolist()
@@ -166,17 +186,9 @@ def agree_async(mesh, api: str, outcome) -> list | None:
     seed to settle) or an exception takes ``agree``'s blocking path."""
     if mesh is None or isinstance(outcome, BaseException) or outcome.rng is not None:
         return agree(mesh, api, outcome)
-    check_usable(api)
-    mesh.require_ranks(api)
-    group = group_for(mesh)
-    if group is None:
-        return None
-    buf = torch.tensor([outcome.program, -outcome.program], dtype=torch.int64)
-    try:
-        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    except Exception as e:  # noqa: BLE001 - a peer failed or died
-        raise _peer_failure(api, e, "before running its program") from None
-    _PENDING.value = (work, buf, group, api, outcome)
+    issued = _issue(mesh, api, outcome)
+    if issued is not None:
+        _PENDING.value = (issued, api, outcome)
     return None
 
 
@@ -189,16 +201,8 @@ def agreed() -> None:
     if pending is None:
         return
     _PENDING.value = None
-    work, buf, group, api, outcome = pending
     try:
-        try:
-            work.wait()
-        except Exception as e:  # noqa: BLE001 - a peer failed or died
-            raise _peer_failure(api, e, "before running its program") from None
-        hi, neg_lo = buf.tolist()
-        if hi == -neg_lo and hi < FORCE:
-            return
-        _exchange(group, api, outcome)      # raises, unless every rank was fine after all
+        _verdict(*pending)      # raises where the ranks disagree
     except BaseException as e:
         e.agreement = True  # type: ignore[attr-defined]
         raise

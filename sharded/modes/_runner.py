@@ -175,35 +175,34 @@ class Runner:
     def _switch_now(self) -> bool:
         """Compile at this call? Yes when the ranks decided so earlier (this runner was
         rebuilt after the switch), for ``compile=True``, or when asked and agreed."""
+        # where this call communicates (the check's all-reduce, the compile's
+        # agreement), the call's own agreement comes first, before any state changes
+        # (NOTE [The agreement overlaps the program])
         st = self.state
         if st.decided == "inductor" or self.budget <= 0:
+            sync.agreed()
             return True
         if st.calls != st.next_check:
             return False
+        sync.agreed()
         st.next_check *= 2
         return self._worth_compiling()
 
     def __call__(self, *args):
         st = self.state
         if self._compiled is None and (st.next_check != -1 or st.decided == "inductor") \
-                and (st.decided == "inductor" or self.budget <= 0 or st.calls == st.next_check):
-            sync.agreed()     # before this call's collectives (NOTE [The agreement overlaps the program])
-            if self._switch_now():
-                return self._first_compiled_call(args)
+                and self._switch_now():
+            return self._first_compiled_call(args)
         if self._compiled is not None:
-            sync.agreed()
+            sync.agreed()       # (inductor's code leaves out the graph's agreement point)
             st.calls += 1
             return self._compiled(*args)
-        st.calls += 1
         t0 = time.perf_counter()
-        try:
-            out = self.graph(*args)
-        except BaseException as e:
-            # the ranks count runs alike (the compile checks at calls 1, 2, 4, ... are
-            # collectives): a call stopped by its agreement, inside the graph, was no run
-            if getattr(e, "agreement", False):
-                st.calls -= 1
-            raise
+        out = self.graph(*args)
+        # counted once it ran: the ranks count runs alike (the compile checks at calls
+        # 1, 2, 4, ... are collectives), and a call that its agreement stopped inside
+        # the graph was no run on any rank
+        st.calls += 1
         st.graph_seconds += time.perf_counter() - t0
         return out
 

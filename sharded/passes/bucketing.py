@@ -76,6 +76,7 @@ import torch.fx as fx
 
 from sharded import _torch
 from sharded.passes.cleanup import _is_pure
+from sharded.rules.losses import MEAN, SUM
 
 _F = _torch.c10d_functional
 _ALL_REDUCE = _F.all_reduce.default
@@ -387,16 +388,14 @@ def hoist_reductions(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 _NLL_FORWARD = aten.nll_loss_forward.default
-_MEAN, _SUM = 1, 2        # torch's Reduction enum
 
 
 def count_targets_early(gm: fx.GraphModule) -> fx.GraphModule:
     """A mean cross-entropy over a split batch divides by the number of counted
     targets on every rank (``nll_loss_forward``'s second result, all-reduced; NOTE [A
     mean over a split batch]): its backward cannot start before that all-reduce is
-    back, and computed by the loss it
-    is issued only at the end of the forward, a wait on the other rank in the middle
-    of every step. Without class weights it is the number of targets other than
+    back, and computed by the loss it is issued only at the end of the forward, a
+    wait on the other rank in the middle of every step. Without class weights it is the number of targets other than
     ``ignore_index``, so it is computed from the targets themselves:
     ``(target != ignore_index).sum()`` in the loss's dtype, the same count (exact in
     float32 below 2**24), halfway between where the targets exist and where the loss
@@ -416,9 +415,9 @@ def count_targets_early(gm: fx.GraphModule) -> fx.GraphModule:
         counts = [u for u in n.users if u.target is operator.getitem and u.args[1] == 1]
         tval = target.meta.get("val") if isinstance(target, fx.Node) else None
         cval = counts[0].meta.get("val") if counts else None
-        if weight is not None or reduction not in (_MEAN, _SUM) or len(counts) != 1 or not isinstance(tval, torch.Tensor) \
-                or not isinstance(cval, torch.Tensor) or not any(u.target in _torch.COLLECTIVE_OPS
-                                                                   for u in counts[0].users):
+        if weight is not None or reduction not in (MEAN, SUM) or len(counts) != 1 \
+                or not isinstance(tval, torch.Tensor) or not isinstance(cval, torch.Tensor) \
+                or not any(u.target in _torch.COLLECTIVE_OPS for u in counts[0].users):
             continue
         # the targets as early as they can be (moved up with the views that make them
         # from an input), the count halfway from there to the loss

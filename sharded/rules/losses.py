@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 aten = torch.ops.aten
-_MEAN, _SUM = 1, 2          # torch's Reduction enum
+MEAN, SUM = 1, 2            # torch's Reduction enum (nll_loss_forward's 4th argument)
 _FORWARDS = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 
 
@@ -40,11 +40,11 @@ def mean_losses_as_sums(gm: fx.GraphModule) -> int:
     count = 0
     for n in list(g.nodes):
         if n.op != "call_function" or n.target not in _FORWARDS or len(n.args) != 5 \
-                or n.args[3] != _MEAN:
+                or n.args[3] != MEAN:
             continue
         vals = n.meta.get("val")
         loss_users = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
-        n.args = n.args[:3] + (_SUM,) + n.args[4:]
+        n.args = n.args[:3] + (SUM,) + n.args[4:]
         if not loss_users:
             count += 1
             continue
