@@ -887,6 +887,7 @@ class Pjit:
             if kind is not None:       # DataParallelMode: batch or state, as in the forward
                 node.meta["sharded_kind"] = kind[0]
         n_draws = rewrite_random_ops(gm, f"{self.name} backward")
+        mean_losses_as_sums(gm)                 # (a loss's backward op: the same NOTE)
         rng = [to_placements(P(), mesh)] * 2 if n_draws else []
         grad_specs = [from_placements(in_placements[i], mesh, metas[i].ndim) for i in joint.grad_in]
         t0 = time.perf_counter()

@@ -16,6 +16,6 @@ the op can run with; DTensor expands them over every axis of the mesh. Example::
 
 from torch.distributed.tensor.experimental import register_sharding
 
-from sharded.rules import attention  # noqa: F401  (registers on import)
+from sharded.rules import attention, rowwise  # noqa: F401  (register on import)
 
 __all__ = ["register_sharding"]

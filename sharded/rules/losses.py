@@ -1,24 +1,41 @@
-"""Mean losses over a split batch: the sum of the losses over the count of targets.
+"""Mean losses over a split batch: the sum of the losses over their count.
 
 # NOTE [A mean over a split batch]
-``F.cross_entropy`` (and ``F.nll_loss``) with ``reduction="mean"`` trace to
-``nll_loss_forward(x, target, weight, Mean, ignore_index)``: the loss is
-``sum(-w[t] * x[t]) / total_weight`` over the counted targets (those other than
-``ignore_index``; ``total_weight`` is their count, or the sum of their class
-weights). DTensor's strategy for it, with the batch split, is a ``Partial("avg")``
-of each rank's local mean: the mean of the ranks' means, which is the global mean
-only when every rank counts the same number of targets. With ``ignore_index``
-targets (padding) or class weights spread unevenly over the ranks, the loss that
-pjit returned was silently wrong (its gradient was right: the backward divides by
-the all-reduced ``total_weight``).
+A loss op with ``reduction="mean"`` divides by a count that the batch split changes:
+torch's kernel divides each rank's shard by the rank's own count. Two silent wrong
+results came from DTensor's strategies for them, in every mode:
 
-``mean_losses_as_sums`` rewrites the single-device program before it is
-partitioned: ``nll_loss_forward(..., Mean, ...)`` becomes ``nll_loss_forward(...,
-Sum, ...)`` divided by its own ``total_weight``. On one device this is the same
-computation (torch's kernels compute the mean as that sum divided by that weight:
-the same bits); split, both the sum and the weight are pending sums, and the loss is
-their quotient after both are reduced. The backward (``nll_loss_backward``, already
-traced) is unchanged.
+- ``F.cross_entropy`` / ``F.nll_loss`` trace to ``nll_loss_forward(x, target,
+  weight, Mean, ignore_index)``, the loss ``sum(-w[t] * x[t]) / total_weight`` over
+  the counted targets. DTensor's strategy gives a ``Partial("avg")`` of each rank's
+  local mean: the mean of the ranks' means, the global mean only when every rank
+  counts the same number of targets. With ``ignore_index`` targets (padding) or
+  class weights spread unevenly over the ranks, the loss was wrong (its gradient was
+  right: ``nll_loss_backward`` divides by the all-reduced ``total_weight``).
+- ``F.mse_loss``, ``smooth_l1_loss``, ``huber_loss``, ``soft_margin_loss`` and
+  ``binary_cross_entropy`` trace to one aten op each, and their gradients to a
+  ``*_backward(grad, x, target, ..., Mean)`` op that DTensor runs shard by shard as
+  if it were pointwise: each rank divided by its shard's element count, so every
+  gradient through the loss came out world-size times too large (the loss itself, a
+  ``Partial("avg")`` of equal shards, was right; Adam's scale invariance hid it).
+
+``mean_losses_as_sums`` rewrites the program before it is partitioned (every mode,
+the forward and the backward program alike), so that no op divides by a local count:
+
+- ``nll_loss_forward(..., Mean, ...)`` becomes ``nll_loss_forward(..., Sum, ...)``
+  divided by its own ``total_weight`` (torch's kernel computes the mean as that sum
+  over that weight: the same bits on one device). Split, both are pending sums and
+  the loss is their quotient after both are reduced.
+- Every other mean loss op becomes its Sum form divided by its count, a number read
+  off the global shapes at trace time (the elements of the broadcast input and
+  target; the frames of a multi-margin loss), and its backward op becomes the Sum
+  form of the backward fed ``grad / count``. Split, the Sum forms are a pending sum
+  and a pointwise op: correct on every rank.
+
+``tests/test_losses.py`` checks the rewrite on one device and every loss of
+``torch.nn.functional`` against one device on real ranks in every mode; it also
+fails when torch gains an op with a ``reduction`` argument that the tables here do
+not know of.
 """
 
 from __future__ import annotations
@@ -33,14 +50,56 @@ MEAN, SUM = 1, 2            # torch's Reduction enum (nll_loss_forward's 4th arg
 _FORWARDS = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 
 
+def _elements(x, target) -> int:
+    """The terms of an elementwise loss: its broadcast input and target's elements."""
+    return torch.Size(torch.broadcast_shapes(x.shape, target.shape)).numel()
+
+
+def _frames(x, target) -> int:
+    """The terms of a multi-margin loss: its frames (rows), one for a 1-D input."""
+    return 1 if x.dim() <= 1 else x.shape[0]
+
+
+# op -> (the position of its `reduction` argument, the position of its input, the
+# number of terms that Mean divides by, from the input's and the target's values); a
+# backward op's input follows its grad_output, which is argument 0
+_COUNTED = {
+    aten.mse_loss.default: (2, 0, _elements),
+    aten.smooth_l1_loss.default: (2, 0, _elements),
+    aten.huber_loss.default: (2, 0, _elements),
+    aten.soft_margin_loss.default: (2, 0, _elements),
+    aten.binary_cross_entropy.default: (3, 0, _elements),
+    aten.binary_cross_entropy_with_logits.default: (4, 0, _elements),
+    aten.multi_margin_loss.default: (5, 0, _frames),
+    aten.multilabel_margin_loss_forward.default: (2, 0, _frames),
+}
+_COUNTED_BACKWARD = {
+    aten.mse_loss_backward.default: (3, 1, _elements),
+    aten.smooth_l1_loss_backward.default: (3, 1, _elements),
+    aten.huber_loss_backward.default: (3, 1, _elements),
+    aten.soft_margin_loss_backward.default: (3, 1, _elements),
+    aten.binary_cross_entropy_backward.default: (4, 1, _elements),
+    aten.multi_margin_loss_backward.default: (6, 1, _frames),
+    aten.multilabel_margin_loss_backward.default: (3, 1, _frames),
+}
+# ops with a `reduction` argument whose Mean is right split as it is: the backward of
+# nll_loss divides by the total_weight it is given (reduced by then)
+MEAN_IS_GLOBAL = (aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+COUNTED_OPS = tuple(_COUNTED) + tuple(_COUNTED_BACKWARD) + _FORWARDS
+
+
 def mean_losses_as_sums(gm: fx.GraphModule) -> int:
-    """NOTE [A mean over a split batch]; returns the number of losses rewritten (then
+    """NOTE [A mean over a split batch]; returns the number of ops rewritten (then
     ``gm.recompile()`` has been called)."""
     g = gm.graph
     count = 0
     for n in list(g.nodes):
-        if n.op != "call_function" or n.target not in _FORWARDS or len(n.args) != 5 \
-                or n.args[3] != MEAN:
+        if n.op != "call_function":
+            continue
+        if n.target in _COUNTED or n.target in _COUNTED_BACKWARD:
+            count += _counted_as_sum(g, n)
+            continue
+        if n.target not in _FORWARDS or len(n.args) != 5 or n.args[3] != MEAN:
             continue
         vals = n.meta.get("val")
         loss_users = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
@@ -65,3 +124,90 @@ def mean_losses_as_sums(gm: fx.GraphModule) -> int:
         g.lint()
         gm.recompile()
     return count
+
+
+def _positional(n: fx.Node, upto: int) -> tuple[list, dict] | None:
+    """``n``'s arguments as positional ones up to index ``upto`` (defaults filled in
+    from the op's schema) and the keyword arguments left; None where an argument is
+    missing and has no default. ``n`` itself is not changed."""
+    op = n.target
+    assert isinstance(op, torch._ops.OpOverload)
+    args, kwargs = list(n.args), dict(n.kwargs)
+    for a in op._schema.arguments[len(args):upto + 1]:
+        if a.name in kwargs:
+            args.append(kwargs.pop(a.name))
+        elif a.has_default_value():
+            args.append(a.default_value)
+        else:
+            return None
+    return args, kwargs
+
+
+def _counted_as_sum(g: fx.Graph, n: fx.Node) -> int:
+    """A loss op (or its backward) that divides by a count under Mean: its Sum form,
+    divided by (fed the grad over) the global count. 1 if rewritten. A float16 loss
+    is computed in float32 and cast back: its Sum may overflow where its mean would
+    not."""
+    op = n.target
+    assert isinstance(op, torch._ops.OpOverload)
+    backward = op in _COUNTED_BACKWARD
+    at, src, count_of = (_COUNTED_BACKWARD if backward else _COUNTED)[op]
+    normalized = _positional(n, at)
+    if normalized is None or normalized[0][at] != MEAN:
+        return 0
+    args, kwargs = normalized
+    x, target = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in args[src:src + 2])
+    if not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return 0
+    count = count_of(x, target)
+    args[at] = SUM
+    low = x.dtype == torch.float16
+    with g.inserting_before(n):
+        if low:
+            args = [_cast(g, a, torch.float32) if _is_half(a) else a for a in args]
+        if backward:
+            args[0] = _node(g, aten.div.Tensor, (args[0], count), args[0])
+    n.args, n.kwargs = tuple(args), kwargs
+    vals = n.meta.get("val")
+    if isinstance(vals, (list, tuple)):          # (loss, is_target): the loss is [0]
+        results = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
+    else:
+        results = [n]
+    for r in results:
+        users = list(r.users)
+        out = r
+        if not backward:
+            with g.inserting_after(out):
+                out = _node(g, aten.div.Tensor, (r, count), r)
+        if low:
+            with g.inserting_after(out):
+                out = _cast(g, out, torch.float16)
+        for u in users:
+            u.replace_input_with(r, out)
+    if low:
+        for r in results:
+            if isinstance(r.meta.get("val"), torch.Tensor):
+                r.meta["val"] = r.meta["val"].to(torch.float32)
+    return 1
+
+
+def _is_half(a) -> bool:
+    return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) \
+        and a.meta["val"].dtype == torch.float16
+
+
+def _node(g: fx.Graph, op, args: tuple, like) -> fx.Node:
+    """A new node computing ``op(*args)``, with ``like``'s value metadata."""
+    out = g.call_function(op, args)
+    val = like.meta.get("val") if isinstance(like, fx.Node) else None
+    if isinstance(val, torch.Tensor):
+        out.meta["val"] = val
+    return out
+
+
+def _cast(g: fx.Graph, a: fx.Node, dtype: torch.dtype) -> fx.Node:
+    out = g.call_function(aten._to_copy.default, (a,), {"dtype": dtype})
+    val = a.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        out.meta["val"] = val.to(dtype)
+    return out
