@@ -25,11 +25,14 @@ Modes (every one: forward, backward, AdamW):
 Every rank gets ``cpu_count // world`` intra-op threads (one each on the 2-core
 machine). The modes are warmed up, then timed round-robin (one step of each per
 round, a barrier before every step): the reported time is the slowest rank's median.
-Peak memory is the peak of bytes allocated and not yet freed on a rank from building
-the mode (model, optimizer, sharding) through three steps
-(``_models.peak_allocated_bytes``), after a warm-up build of every mode outside the
-window (pjit's programs are then cached: the compile is not counted); the least of two
-rounds of every mode is reported. Compile time is ``pjit(...).lower(...)`` (trace,
+Peak memory is measured in processes of their own, after the timing: the peak of a
+rank's resident memory (every thread's allocations, gloo's included) from building
+the mode (model, optimizer, sharding) through three steps, with glibc set up so that
+resident memory follows allocations (``_models.peak_resident_bytes``; the profiler's
+count of the calling thread's allocations, ``peak_allocated_bytes``, where that is not
+available), after a warm-up build of every mode outside the window (pjit's programs
+are then cached: the compile is not counted); the least of three rounds of every mode
+is reported. Compile time is ``pjit(...).lower(...)`` (trace,
 partition, passes) for each DataParallelMode layout and for DTensorExpandMode with
 replicated parameter specs (what data parallelism was before). Writes
 ``benchmarks/results/data_parallel.json``.
@@ -197,6 +200,8 @@ def _compile_times(spec: dict, world: int) -> dict:
 
 
 def _rank_main(a: dict) -> dict:
+    """One phase on every rank: "memory" (a process of its own: glibc is set up to make
+    resident memory follow allocations, which slows them) or "time"."""
     import sharded.rules  # noqa: F401  (SDPA sharding rules)
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -204,60 +209,68 @@ def _rank_main(a: dict) -> dict:
     for name in a["models"]:
         spec = _model(a, name)
         spec["bucket_bytes"] = int(a["bucket_mib"] * 2**20) if a["bucket_mib"] else None
-        res: dict = {"times": {}, "peak_bytes": {}, "loss0": {}}
-        # memory: each mode built and run alone, from nothing, inside the window, after
-        # one warm-up build of every mode outside it: one-time allocations (compiles,
-        # DTensor's and gloo's caches) would otherwise land on whichever row runs first
-        # (the donated "shard" row once read 2.7x the undonated one, and 0.69x in
-        # another order)
-        for mode in a["modes"]:
-            if not mode.endswith("_inductor"):
-                warm_step, _ = _build(mode, spec, world, rank)
-                warm_step()
-                del warm_step
-        # and the least of two rounds: an allocation made once (a cache filled) lands
-        # in the first window of a mode only (gpt-tiny's rows moved by 1-2 MiB of ~10
-        # with the order of the rows)
-        for _ in range(2):
-            for mode in a["modes"]:
-                if mode.endswith("_inductor"):
-                    continue
-
-                def window():
-                    step, st = _build(mode, spec, world, rank)
-                    step()
-                    step()
-                dist.barrier()
-                peak = M.peak_allocated_bytes(window)
-                res["peak_bytes"][mode] = min(peak, res["peak_bytes"].get(mode, peak))
-        # time: all modes built, then timed round-robin
-        steps, states = {}, {}
-        for mode in a["modes"]:
-            steps[mode], states[mode] = _build(mode, spec, world, rank)
-        for mode in a["modes"]:
-            loss = states[mode]["loss"]
-            loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss.clone()
-            if mode in ("ddp", "fsdp2"):
-                dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-            res["loss0"][mode] = float(loss)
-        for _ in range(a["warmup"]):
-            for s in steps.values():
-                s()
-        times = {m: [] for m in steps}
-        for _ in range(a["iters"]):
-            for m, s in steps.items():
-                dist.barrier()
-                t0 = time.perf_counter()
-                s()
-                times[m].append(time.perf_counter() - t0)
-        dist.barrier()
-        res["times"] = times
-        res["cost"] = {m: {k: v["count"] for k, v in states[m]["lower"]().cost().items()
-                           if k != "total"}
-                       for m in a["modes"] if "lower" in states[m]}
-        res["compile"] = _compile_times(spec, world) if a["compile"] else {}
-        out[name] = res
+        out[name] = _memory(a, spec, world, rank) if a["phase"] == "memory" else _time(a, spec, world, rank)
     return out
+
+
+def _memory(a: dict, spec: dict, world: int, rank: int) -> dict:
+    res: dict = {"peak_bytes": {}}
+    res["peak_method"] = "resident" if M.exact_heap() else "profiler"
+    measure = M.peak_resident_bytes if res["peak_method"] == "resident" else M.peak_allocated_bytes
+    # each mode built and run alone, from nothing, inside the window, after one
+    # warm-up build of every mode outside it: one-time allocations (compiles, DTensor's
+    # and gloo's caches) would otherwise land on whichever row runs first
+    for mode in a["modes"]:
+        if not mode.endswith("_inductor"):
+            warm_step, _ = _build(mode, spec, world, rank)
+            warm_step()
+            del warm_step
+    # the least of three rounds: an allocation made once (a cache filled) lands in the
+    # first window of a mode only
+    for _ in range(3):
+        for mode in a["modes"]:
+            if mode.endswith("_inductor"):
+                continue
+
+            def window():
+                step, st = _build(mode, spec, world, rank)
+                step()
+                step()
+            dist.barrier()
+            peak = measure(window)
+            res["peak_bytes"][mode] = min(peak, res["peak_bytes"].get(mode, peak))
+    return res
+
+
+def _time(a: dict, spec: dict, world: int, rank: int) -> dict:
+    res: dict = {"times": {}, "loss0": {}}
+    # all modes built, then timed round-robin
+    steps, states = {}, {}
+    for mode in a["modes"]:
+        steps[mode], states[mode] = _build(mode, spec, world, rank)
+    for mode in a["modes"]:
+        loss = states[mode]["loss"]
+        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss.clone()
+        if mode in ("ddp", "fsdp2"):
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        res["loss0"][mode] = float(loss)
+    for _ in range(a["warmup"]):
+        for s in steps.values():
+            s()
+    times = {m: [] for m in steps}
+    for _ in range(a["iters"]):
+        for m, s in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            s()
+            times[m].append(time.perf_counter() - t0)
+    dist.barrier()
+    res["times"] = times
+    res["cost"] = {m: {k: v["count"] for k, v in states[m]["lower"]().cost().items()
+                       if k != "total"}
+                   for m in a["modes"] if "lower" in states[m]}
+    res["compile"] = _compile_times(spec, world) if a["compile"] else {}
+    return res
 
 
 def main(argv=None):
@@ -289,7 +302,11 @@ def main(argv=None):
     a["modes"] = [m for m in args.modes.split(",") if m]
 
     t0 = time.perf_counter()
-    per_rank = launch(_rank_main, args.world, a)
+    per_rank = launch(_rank_main, args.world, {**a, "phase": "time"})
+    memory = launch(_rank_main, args.world, {**a, "phase": "memory"})
+    for r, m in zip(per_rank, memory):
+        for name in a["models"]:
+            r[name].update(m[name])
     wall = time.perf_counter() - t0
     threads = max(1, (os.cpu_count() or 1) // args.world)
     result = {"benchmark": "data_parallel", "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -304,6 +321,7 @@ def main(argv=None):
                       if n in peak and d in peak and peak[d]}
         print(f"\n{name}: world {args.world}, {threads} thread(s)/rank, median of {args.iters} "
               f"interleaved rounds after {args.warmup} warmup")
+        print(f"peak memory per rank: {per_rank[0][name]['peak_method']} (benchmarks/_models.py)")
         print(f"{'mode':<18}{'ms/step':>9}{'peak MiB':>10}{'loss@0':>10}")
         for m in a["modes"]:
             mib = f"{peak[m] / 2**20:.2f}" if m in peak else "-"
@@ -315,7 +333,8 @@ def main(argv=None):
         for k, v in per_rank[0][name]["compile"].items():
             print(f"compile {k}: {v['s']:.2f} s, {v['collectives']}")
         result["models"][name] = {
-            "median_ms": ms, "peak_bytes": peak, "ratios": ratios, "peak_memory_ratios": mem_ratios,
+            "median_ms": ms, "peak_bytes": peak, "peak_method": per_rank[0][name]["peak_method"],
+            "ratios": ratios, "peak_memory_ratios": mem_ratios,
             "loss_first_step": per_rank[0][name]["loss0"], "cost_rank0": per_rank[0][name]["cost"],
             "compile_rank0": per_rank[0][name]["compile"],
             "times_ms_per_rank": {m: [[t * 1e3 for t in r[name]["times"][m]] for r in per_rank]
