@@ -126,6 +126,19 @@ def _every_loss(ws: int, reductions: tuple) -> int:
         ref = torch.func.grad(loss)(W4, _batch(2 * ws))
         torch.testing.assert_close(gather(w.grad), ref, rtol=1e-5, atol=1e-6, msg=name)
         checked += 1
+    # float16 (computed in float32 and cast back) and float16 against a float32 target
+    # (float32, as on one device); the DTensor's recorded dtype is its data's
+    for name, loss in (("float16", lambda w, b: F.mse_loss(b["x"].half() * w, b["y"].half())),
+                       ("float16 input, float32 target", lambda w, b: F.mse_loss(b["x"].half() * w, b["y"]))):
+        f = pjit(loss, in_specs=(P(), P("dp")), out_specs=P(), mesh=mesh, mode=DataParallelMode("replicate"))
+        w = shard(W4.half(), P(), mesh).requires_grad_()
+        value = f(w, _batch(2 * ws))
+        value.backward()
+        ref_grad, ref = torch.func.grad_and_value(loss)(W4.half(), _batch(2 * ws))
+        assert value._spec.tensor_meta.dtype == value.to_local().dtype == ref.dtype, name
+        torch.testing.assert_close(gather(value), ref, msg=name)
+        torch.testing.assert_close(gather(w.grad), ref_grad, msg=name)
+        checked += 1
     return checked
 
 
@@ -134,7 +147,7 @@ def test_every_loss_equals_one_device_split_over_the_batch(on_ranks, ws):
     """(Checked on the ranks.) ws 2: every loss, mean and sum; ws 4: the means."""
     reductions = ("mean", "sum", "none") if ws == 2 else ("mean",)
     checked = on_ranks(ws, _every_loss, ws, reductions)
-    assert checked == [len(_losses("mean")) * 3 * len(reductions) + 3] * ws
+    assert checked == [len(_losses("mean")) * 3 * len(reductions) + 5] * ws
 
 
 # -- the rewrite on one device --------------------------------------------------------------
@@ -169,6 +182,13 @@ def test_counted_losses_keep_their_values_and_gradients():
         assert mean_losses_as_sums(gm) == n_ops
         assert not [n for n in gm.graph.nodes if n.target in COUNTED_OPS and _reduction(n) == MEAN]
         torch.testing.assert_close(gm(b["x"], b), expected)
+
+    mixed = make_fx(lambda x, y: F.mse_loss(x.half(), y))(b["x"], b["y"])   # float32, as torch
+    expected = mixed(b["x"], b["y"])
+    assert mean_losses_as_sums(mixed) == 1
+    got = mixed(b["x"], b["y"])
+    assert got.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(got, expected)
 
     x16 = (torch.ones(300, 256) * 16).half()
     y16 = torch.zeros(300, 256).half()      # the squared errors' sum, 256 * 76800, is no float16

@@ -765,10 +765,11 @@ class Pjit:
                                                         "output"), out_leaves)
                      if isinstance(v, torch.Tensor)]
         n_out = len(out_specs)
-        out_vals = [n for n in global_gm.graph.nodes if n.op == "output"][0].args[0]
-        n_saved = len(out_vals) - n_out
         n_draws = rewrite_random_ops(global_gm, self.name)
         mean_losses_as_sums(global_gm)          # NOTE [A mean over a split batch]
+        # (read after the rewrites: a float16 loss's output is then its cast back)
+        out_vals = [n for n in global_gm.graph.nodes if n.op == "output"][0].args[0]
+        n_saved = len(out_vals) - n_out
         rng_placements = [to_placements(P(), mesh)] * 2 if n_draws else []  # seed, offset
         for node, path in zip(global_gm.graph.find_nodes(op="placeholder"),
                               tensor_paths + ["rng seed", "rng offset"]):

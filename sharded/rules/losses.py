@@ -29,7 +29,8 @@ the forward and the backward program alike), so that no op divides by a local co
 - Every other mean loss op becomes its Sum form divided by its count, a number read
   off the global shapes at trace time (the elements of the broadcast input and
   target; the frames of a multi-margin loss), and its backward op becomes the Sum
-  form of the backward fed ``grad / count``. Split, the Sum forms are a pending sum
+  form of the backward fed ``grad / count`` (the input's elements there, as torch's
+  backward kernels count). A float16 loss is computed in float32 and cast back. Split, the Sum forms are a pending sum
   and a pointwise op: correct on every rank.
 
 ``tests/test_losses.py`` checks the rewrite on one device and every loss of
@@ -55,6 +56,12 @@ def _elements(x, target) -> int:
     return torch.Size(torch.broadcast_shapes(x.shape, target.shape)).numel()
 
 
+def _input_elements(x, target) -> int:
+    """The terms of an elementwise loss's backward: torch's kernels divide by the
+    input's elements (not the broadcast ones: aten's own, on one device)."""
+    return x.numel()
+
+
 def _frames(x, target) -> int:
     """The terms of a multi-margin loss: its frames (rows), one for a 1-D input."""
     return 1 if x.dim() <= 1 else x.shape[0]
@@ -74,11 +81,11 @@ _COUNTED = {
     aten.multilabel_margin_loss_forward.default: (2, 0, _frames),
 }
 _COUNTED_BACKWARD = {
-    aten.mse_loss_backward.default: (3, 1, _elements),
-    aten.smooth_l1_loss_backward.default: (3, 1, _elements),
-    aten.huber_loss_backward.default: (3, 1, _elements),
-    aten.soft_margin_loss_backward.default: (3, 1, _elements),
-    aten.binary_cross_entropy_backward.default: (4, 1, _elements),
+    aten.mse_loss_backward.default: (3, 1, _input_elements),
+    aten.smooth_l1_loss_backward.default: (3, 1, _input_elements),
+    aten.huber_loss_backward.default: (3, 1, _input_elements),
+    aten.soft_margin_loss_backward.default: (3, 1, _input_elements),
+    aten.binary_cross_entropy_backward.default: (4, 1, _input_elements),
     aten.multi_margin_loss_backward.default: (6, 1, _frames),
     aten.multilabel_margin_loss_backward.default: (3, 1, _frames),
 }
@@ -146,8 +153,8 @@ def _positional(n: fx.Node, upto: int) -> tuple[list, dict] | None:
 def _counted_as_sum(g: fx.Graph, n: fx.Node) -> int:
     """A loss op (or its backward) that divides by a count under Mean: its Sum form,
     divided by (fed the grad over) the global count. 1 if rewritten. A float16 loss
-    is computed in float32 and cast back: its Sum may overflow where its mean would
-    not."""
+    (or gradient) is computed in float32 and cast back: its Sum may overflow where
+    its mean would not."""
     op = n.target
     assert isinstance(op, torch._ops.OpOverload)
     backward = op in _COUNTED_BACKWARD
@@ -161,20 +168,23 @@ def _counted_as_sum(g: fx.Graph, n: fx.Node) -> int:
         return 0
     count = count_of(x, target)
     args[at] = SUM
-    low = x.dtype == torch.float16
+    vals = n.meta.get("val")
+    result = vals[0] if isinstance(vals, (list, tuple)) else vals
+    low = isinstance(result, torch.Tensor) and result.dtype == torch.float16
     with g.inserting_before(n):
         if low:
             args = [_cast(g, a, torch.float32) if _is_half(a) else a for a in args]
         if backward:
             args[0] = _node(g, aten.div.Tensor, (args[0], count), args[0])
     n.args, n.kwargs = tuple(args), kwargs
-    vals = n.meta.get("val")
     if isinstance(vals, (list, tuple)):          # (loss, is_target): the loss is [0]
         results = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
     else:
         results = [n]
     for r in results:
         users = list(r.users)
+        if low and isinstance(r.meta.get("val"), torch.Tensor):
+            r.meta["val"] = r.meta["val"].to(torch.float32)     # (computed in float32 now)
         out = r
         if not backward:
             with g.inserting_after(out):
@@ -184,10 +194,6 @@ def _counted_as_sum(g: fx.Graph, n: fx.Node) -> int:
                 out = _cast(g, out, torch.float16)
         for u in users:
             u.replace_input_with(r, out)
-    if low:
-        for r in results:
-            if isinstance(r.meta.get("val"), torch.Tensor):
-                r.meta["val"] = r.meta["val"].to(torch.float32)
     return 1
 
 
