@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import optree
 import torch
 import torch.nn as nn
@@ -147,6 +149,26 @@ class MLPModule(nn.Module):
             if i < len(self.layers) - 1:
                 x = F.gelu(x)
         return x
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+def timed_interleaved(steps: dict, warmup: int, iters: int) -> dict[str, list[float]]:
+    """Warm every mode up, then time them round-robin (one step of each mode per
+    round, a barrier before each step), so that load from outside the benchmark hits
+    every mode alike."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {m: [] for m in steps}
+    for _ in range(iters):
+        for mode, step in steps.items():
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            step()
+            times[mode].append(time.perf_counter() - t0)
+    torch.distributed.barrier()
+    return times
 
 
 # -- peak memory ---------------------------------------------------------------------------------

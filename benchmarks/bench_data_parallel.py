@@ -254,18 +254,7 @@ def _time(a: dict, spec: dict, world: int, rank: int) -> dict:
         if mode in ("ddp", "fsdp2"):
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         res["loss0"][mode] = float(loss)
-    for _ in range(a["warmup"]):
-        for s in steps.values():
-            s()
-    times = {m: [] for m in steps}
-    for _ in range(a["iters"]):
-        for m, s in steps.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            s()
-            times[m].append(time.perf_counter() - t0)
-    dist.barrier()
-    res["times"] = times
+    res["times"] = M.timed_interleaved(steps, a["warmup"], a["iters"])
     res["cost"] = {m: {k: v["count"] for k, v in states[m]["lower"]().cost().items()
                        if k != "total"}
                    for m in a["modes"] if "lower" in states[m]}

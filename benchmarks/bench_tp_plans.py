@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._models import git_rev, write_result  # noqa: E402
-from benchmarks.bench_train_step import _timed_interleaved  # noqa: E402
+from benchmarks._models import timed_interleaved  # noqa: E402
 from examples import gpt_module as gm  # noqa: E402
 from sharded import launch  # noqa: E402
 
@@ -111,7 +111,7 @@ def _rank_main(a: dict) -> dict:
             steps[mode], out["loss0"][mode] = step, float(gather(st["loss"]))
         else:
             raise ValueError(f"unknown mode {mode!r}; choose from {list(MODES)}")
-    out["times"] = _timed_interleaved(steps, a["warmup"], a["iters"])
+    out["times"] = timed_interleaved(steps, a["warmup"], a["iters"])
     return out
 
 

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from examples import gpt  # noqa: E402
-from benchmarks._models import git_rev, write_result  # noqa: E402
+from benchmarks._models import git_rev, timed_interleaved, write_result  # noqa: E402
 from sharded import launch  # noqa: E402
 
 
@@ -58,24 +58,6 @@ def mlp_tp_specs(params):
     return {"layers": [{"w": P("tp") if i % 2 == 0 else P(None, "tp"),
                         "b": P("tp") if i % 2 == 0 else P()}
                        for i in range(len(params["layers"]))]}
-
-
-def _timed_interleaved(steps: dict, warmup: int, iters: int) -> dict[str, list[float]]:
-    """Warm every mode up, then time them round-robin (one step of each mode per
-    round, a barrier before each step), so that load from outside the benchmark hits
-    every mode alike."""
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    times: dict[str, list[float]] = {m: [] for m in steps}
-    for _ in range(iters):
-        for mode, step in steps.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            times[mode].append(time.perf_counter() - t0)
-    dist.barrier()
-    return times
 
 
 def _rank_main(a: dict) -> dict:
@@ -191,7 +173,7 @@ def _rank_main(a: dict) -> dict:
 
     for mode in a["modes"]:
         setup(mode)
-    out["times"] = _timed_interleaved(steps, a["warmup"], a["iters"])
+    out["times"] = timed_interleaved(steps, a["warmup"], a["iters"])
     return out
 
 

@@ -200,6 +200,17 @@ def test_counted_losses_keep_their_values_and_gradients():
     torch.testing.assert_close(got, expected)
     assert torch.isfinite(got[1]) and float(got[1]) == 256.0
 
+    # a float16 cross-entropy: its total weight, computed in float32, goes back to
+    # float16 for the backward's nll_loss_backward (which reads it as its own dtype)
+    logits16 = b["x"].half()
+    gm = make_fx(torch.func.grad_and_value(lambda x, t: F.cross_entropy(x, t, weight=torch.ones(4).half())))(
+        logits16, b["cls"])
+    expected = gm(logits16, b["cls"])
+    assert mean_losses_as_sums(gm) == 1
+    got = gm(logits16, b["cls"])
+    assert got[0].dtype == got[1].dtype == torch.float16
+    torch.testing.assert_close(got, expected)
+
 
 def test_every_op_with_a_mean_reduction_is_known():
     """Every aten op with a ``reduction`` argument that survives tracing (not

@@ -30,8 +30,14 @@ the forward and the backward program alike), so that no op divides by a local co
   off the global shapes at trace time (the elements of the broadcast input and
   target; the frames of a multi-margin loss), and its backward op becomes the Sum
   form of the backward fed ``grad / count`` (the input's elements there, as torch's
-  backward kernels count). A float16 loss is computed in float32 and cast back. Split, the Sum forms are a pending sum
-  and a pointwise op: correct on every rank.
+  backward kernels count). Split, the Sum forms are a pending sum and a pointwise
+  op: correct on every rank.
+
+One table (op -> where its reduction and input are, what its Mean divides by) and
+one rewrite serve both kinds. A float16 loss is computed in float32 and each output
+cast back to the dtype torch gives it (a Sum may overflow where the mean would not;
+nll_loss's total weight goes back to float16 for its backward op, which reads it in
+its own dtype).
 
 ``tests/test_losses.py`` checks the rewrite on one device and every loss of
 ``torch.nn.functional`` against one device on real ranks in every mode; it also
@@ -48,7 +54,6 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 MEAN, SUM = 1, 2            # torch's Reduction enum (nll_loss_forward's 4th argument)
-_FORWARDS = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 
 
 def _elements(x, target) -> int:
@@ -67,10 +72,18 @@ def _frames(x, target) -> int:
     return 1 if x.dim() <= 1 else x.shape[0]
 
 
+def _total_weight(x, target) -> None:
+    """The terms of nll_loss: None, for its own second output (the total weight of the
+    counted targets, known only when it runs)."""
+    return None
+
+
 # op -> (the position of its `reduction` argument, the position of its input, the
 # number of terms that Mean divides by, from the input's and the target's values); a
 # backward op's input follows its grad_output, which is argument 0
-_COUNTED = {
+_COUNTED: dict = {
+    aten.nll_loss_forward.default: (3, 0, _total_weight),
+    aten.nll_loss2d_forward.default: (3, 0, _total_weight),
     aten.mse_loss.default: (2, 0, _elements),
     aten.smooth_l1_loss.default: (2, 0, _elements),
     aten.huber_loss.default: (2, 0, _elements),
@@ -80,7 +93,7 @@ _COUNTED = {
     aten.multi_margin_loss.default: (5, 0, _frames),
     aten.multilabel_margin_loss_forward.default: (2, 0, _frames),
 }
-_COUNTED_BACKWARD = {
+_COUNTED_BACKWARD: dict = {
     aten.mse_loss_backward.default: (3, 1, _input_elements),
     aten.smooth_l1_loss_backward.default: (3, 1, _input_elements),
     aten.huber_loss_backward.default: (3, 1, _input_elements),
@@ -92,7 +105,7 @@ _COUNTED_BACKWARD = {
 # ops with a `reduction` argument whose Mean is right split as it is: the backward of
 # nll_loss divides by the total_weight it is given (reduced by then)
 MEAN_IS_GLOBAL = (aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
-COUNTED_OPS = tuple(_COUNTED) + tuple(_COUNTED_BACKWARD) + _FORWARDS
+COUNTED_OPS = tuple(_COUNTED) + tuple(_COUNTED_BACKWARD)
 
 
 def mean_losses_as_sums(gm: fx.GraphModule) -> int:
@@ -101,32 +114,8 @@ def mean_losses_as_sums(gm: fx.GraphModule) -> int:
     g = gm.graph
     count = 0
     for n in list(g.nodes):
-        if n.op != "call_function":
-            continue
-        if n.target in _COUNTED or n.target in _COUNTED_BACKWARD:
+        if n.op == "call_function" and (n.target in _COUNTED or n.target in _COUNTED_BACKWARD):
             count += _counted_as_sum(g, n)
-            continue
-        if n.target not in _FORWARDS or len(n.args) != 5 or n.args[3] != MEAN:
-            continue
-        vals = n.meta.get("val")
-        loss_users = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
-        n.args = n.args[:3] + (SUM,) + n.args[4:]
-        if not loss_users:
-            count += 1
-            continue
-        with g.inserting_after(n):
-            weight = g.call_function(operator.getitem, (n, 1))
-        with g.inserting_after(weight):
-            total = g.call_function(operator.getitem, (n, 0))
-        with g.inserting_after(total):
-            mean = g.call_function(aten.div.Tensor, (total, weight))
-        if isinstance(vals, (list, tuple)):
-            weight.meta["val"], total.meta["val"] = vals[1], torch.empty_like(vals[0])
-        for u in loss_users:
-            mean.meta.update(u.meta)
-            u.replace_all_uses_with(mean)
-            g.erase_node(u)
-        count += 1
     if count:
         g.lint()
         gm.recompile()
@@ -153,8 +142,8 @@ def _positional(n: fx.Node, upto: int) -> tuple[list, dict] | None:
 def _counted_as_sum(g: fx.Graph, n: fx.Node) -> int:
     """A loss op (or its backward) that divides by a count under Mean: its Sum form,
     divided by (fed the grad over) the global count. 1 if rewritten. A float16 loss
-    (or gradient) is computed in float32 and cast back: its Sum may overflow where
-    its mean would not."""
+    (or gradient) is computed in float32 and each of its outputs cast back: its Sum
+    may overflow where its mean would not."""
     op = n.target
     assert isinstance(op, torch._ops.OpOverload)
     backward = op in _COUNTED_BACKWARD
@@ -166,30 +155,37 @@ def _counted_as_sum(g: fx.Graph, n: fx.Node) -> int:
     x, target = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in args[src:src + 2])
     if not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor):
         return 0
-    count = count_of(x, target)
-    args[at] = SUM
     vals = n.meta.get("val")
-    result = vals[0] if isinstance(vals, (list, tuple)) else vals
+    if vals is None:
+        return 0
+    args[at] = SUM
+    tuple_out = isinstance(vals, (list, tuple))
+    result = vals[0] if tuple_out else vals
     low = isinstance(result, torch.Tensor) and result.dtype == torch.float16
+    count = count_of(x, target)
     with g.inserting_before(n):
         if low:
             args = [_cast(g, a, torch.float32) if _is_half(a) else a for a in args]
         if backward:
             args[0] = _node(g, aten.div.Tensor, (args[0], count), args[0])
     n.args, n.kwargs = tuple(args), kwargs
-    if isinstance(vals, (list, tuple)):          # (loss, is_target): the loss is [0]
-        results = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
-    else:
-        results = [n]
-    for r in results:
+    # the outputs, (node, is the loss): a tuple's are its getitems, the loss [0]
+    outs = [(u, u.args[1] == 0) for u in n.users if u.target is operator.getitem] if tuple_out \
+        else [(n, True)]
+    if count is None:                            # nll_loss: over its total weight
+        with g.inserting_after(n):
+            count = g.call_function(operator.getitem, (n, 1))
+        count.meta["val"] = vals[1].to(torch.float32) if low else vals[1]
+    for r, is_loss in outs:
         users = list(r.users)
-        if low and isinstance(r.meta.get("val"), torch.Tensor):
+        half = low and _is_half(r)
+        if half:
             r.meta["val"] = r.meta["val"].to(torch.float32)     # (computed in float32 now)
         out = r
-        if not backward:
+        if is_loss and not backward:
             with g.inserting_after(out):
                 out = _node(g, aten.div.Tensor, (r, count), r)
-        if low:
+        if half:
             with g.inserting_after(out):
                 out = _cast(g, out, torch.float16)
         for u in users:

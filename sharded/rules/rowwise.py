@@ -21,7 +21,7 @@ SUM, NONE = 2, 0
 
 
 def _layouts(x) -> list:
-    return [Replicate()] + [Shard(d) for d in range(x.tensor_meta.shape.__len__())]
+    return [Replicate()] + [Shard(d) for d in range(len(x.tensor_meta.shape))]
 
 
 @register_sharding(aten.log_sigmoid_forward.default)
@@ -46,12 +46,13 @@ def _rows(x, reduction: int):
 
 @register_sharding(aten.multi_margin_loss.default)
 def _multi_margin(x, target, p=1, margin=1, weight=None, reduction=1):
-    rep = [([Replicate()], [Replicate(), Replicate(), None, None, Replicate() if weight is not None else None, None])]
+    w = Replicate() if weight is not None else None
+    rep = [([Replicate()], [Replicate(), Replicate(), None, None, w, None])]
     rows = _rows(x, reduction)
     if rows is None:
         return rep
     out, row = rows
-    return rep + [([out], [row, row, None, None, Replicate() if weight is not None else None, None])]
+    return rep + [([out], [row, row, None, None, w, None])]
 
 
 @register_sharding(aten.multi_margin_loss_backward.default)
