@@ -41,6 +41,12 @@ class Mesh:
     ``MASTER_ADDR``, ``MASTER_PORT``) when none is running; a mesh of one rank needs
     no environment at all.
 
+    With CUDA available the group is ``cpu:gloo,cuda:nccl`` and the mesh a CUDA mesh.
+    Before NCCL starts (and whenever a CUDA mesh is built), each rank is put on its
+    ``LOCAL_RANK`` device, or 0 where the process sees a single device, and a rank
+    whose CUDA was already initialised on another device is an error
+    (NOTE [One GPU per rank]).
+
     ``with mesh:`` makes it the default for ``pjit``/``shard_map`` called inside.
     """
 
@@ -56,6 +62,8 @@ class Mesh:
         sync.check_usable(f"Mesh{shape}")
         _ensure_process_group(shape, device_type)
         device_type = device_type or _default_device_type()
+        if device_type == "cuda":
+            _use_local_cuda_device(f"Mesh{shape}")
         key = (id(dist.group.WORLD), shape, axis_names, device_type)
         with _LOCK:
             if key not in _CACHE:
@@ -162,6 +170,17 @@ class Mesh:
         return len(self.shape)
 
     @property
+    def device(self) -> torch.device:
+        """The device this rank's shards live on: ``cpu``, or for a CUDA mesh this
+        process's current CUDA device (its ``LOCAL_RANK`` device under torchrun; NOTE
+        [One GPU per rank]). A single-device reference to compare with the mesh's
+        results belongs on it: ``torch.testing.assert_close`` checks devices. For an
+        abstract mesh, the device type without an index."""
+        if self.device_type == "cuda" and self._abstract_rank is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
+    @property
     def rank(self) -> int:
         """This process's global rank (for an abstract mesh, the rank it lowers for)."""
         if self._abstract_rank is not None:
@@ -258,7 +277,10 @@ def _ensure_process_group(shape, device_type):
     need = math.prod(shape)
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+            backend = "gloo"
+            if torch.cuda.is_available():
+                backend = "cpu:gloo,cuda:nccl"
+                _use_local_cuda_device(f"Mesh{shape}")      # before NCCL starts
             dist.init_process_group(backend)
             # destroyed when the program ends, before the interpreter tears down:
             # gloo's worker threads, still alive at C++ static destruction, aborted a
@@ -282,6 +304,84 @@ def _ensure_process_group(shape, device_type):
             f"Mesh{shape} has {need} ranks but the world has {world}; the mesh must "
             f"cover every rank (its shape's product must equal the world size)."
         )
+
+
+# NOTE [One GPU per rank]
+# NCCL needs every rank of a node on a CUDA device of its own, chosen before NCCL
+# starts. torch's DeviceMesh sets it as a side effect of its set-up, from LOCAL_RANK,
+# and only when nothing has initialised CUDA yet; otherwise it keeps whatever device is
+# current, silently: two ranks on cuda:0 fail later inside NCCL ("Duplicate GPU
+# detected") or share one GPU. Mesh does it itself, before it starts NCCL and whenever
+# it builds a CUDA mesh, and checks the result:
+# - the device is LOCAL_RANK (torchrun's convention, and DeviceMesh's), or 0 when the
+#   process sees exactly one device (a launcher that gives each process its own GPU
+#   with CUDA_VISIBLE_DEVICES, as SLURM's --gpus-per-task does: LOCAL_RANK 1 is then
+#   device 0 of that process, where DeviceMesh's set_device(1) would fail with "invalid
+#   device ordinal"); a LOCAL_RANK beyond the devices of a process that sees several
+#   is an error (two ranks would share one);
+# - CUDA not initialised yet: torch.cuda.set_device(device); initialised with that
+#   device current: nothing to do; initialised on another device (a tensor was made
+#   on "cuda" before the mesh, or set_device chose another): an error naming both and
+#   the fix, rather than tensors and NCCL's communicator on the wrong GPU.
+# Without LOCAL_RANK (not torchrun nor sharded.launch) the device is the caller's
+# choice, and DeviceMesh's heuristic (global rank % devices) applies as before.
+
+
+def _local_cuda_device(local_rank: int, device_count: int, api: str = "Mesh") -> int:
+    """The CUDA device index of the process with ``LOCAL_RANK`` ``local_rank`` that sees
+    ``device_count`` devices (NOTE [One GPU per rank]): ``local_rank``, or 0 where the
+    process sees exactly one device; an error where it sees none, or fewer than
+    ``local_rank + 1`` but more than one."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "CUDA_VISIBLE_DEVICES unset"
+    if device_count < 1:
+        raise RuntimeError(
+            f"{api} runs on CUDA (NCCL) but this process sees no CUDA device ({seen}). "
+            f"Check CUDA_VISIBLE_DEVICES, or build a CPU mesh with device_type='cpu'."
+        )
+    if local_rank < 0:
+        raise ValueError(f"{api}: LOCAL_RANK must be >= 0; got {local_rank}.")
+    if local_rank < device_count:
+        return local_rank
+    if device_count == 1:
+        return 0
+    raise RuntimeError(
+        f"{api}: this rank has LOCAL_RANK={local_rank} but its process sees only "
+        f"{device_count} CUDA devices ({seen}), so it has no device of its own. Start at "
+        f"most {device_count} processes per node (torchrun --nproc-per-node "
+        f"{device_count}), or give each process exactly one device with "
+        f"CUDA_VISIBLE_DEVICES."
+    )
+
+
+def _use_local_cuda_device(api: str = "Mesh") -> int | None:
+    """Put this process on its ``LOCAL_RANK`` CUDA device, or check that it is on it
+    (NOTE [One GPU per rank]); returns the device index, or None without
+    ``LOCAL_RANK`` in the environment (the device is then the caller's choice)."""
+    raw = os.environ.get("LOCAL_RANK")
+    if raw is None:
+        return None
+    try:
+        local_rank = int(raw)
+    except ValueError:
+        raise ValueError(f"{api}: LOCAL_RANK must be an int; got {raw!r}.") from None
+    want = _local_cuda_device(local_rank, torch.cuda.device_count(), api)
+    if not torch.cuda.is_initialized():
+        torch.cuda.set_device(want)
+        return want
+    current = torch.cuda.current_device()
+    if current != want:
+        raise RuntimeError(
+            f"{api}: this rank (LOCAL_RANK={local_rank}) must run on cuda:{want}, but "
+            f"CUDA was initialised before the mesh with cuda:{current} as the current "
+            f"device (a tensor made on 'cuda', or torch.cuda.set_device({current})), so "
+            f"this rank would compute and start NCCL on another rank's GPU. Call "
+            f"torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) at the start of the "
+            f"program, before anything touches CUDA (or build the Mesh first); where a "
+            f"launcher gives each process one device with CUDA_VISIBLE_DEVICES, that "
+            f"device is cuda:0."
+        )
+    return want
 
 
 def _default_device_type() -> str:
