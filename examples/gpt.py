@@ -5,8 +5,9 @@ functions of it, so a whole train step (forward, backward, AdamW) is one traced
 program. ``tp_specs`` gives Megatron tensor parallelism over mesh axis ``"tp"``;
 ``dp_specs`` replicates everything (data parallelism shards the batch instead).
 
-Run ``python examples/gpt.py`` to check, on 2 local gloo ranks, that pjit with
-``tp_specs`` and with the batch sharded over ``"dp"`` matches single-device.
+Run ``python examples/gpt.py`` to check, on 2 local ranks (gloo on CPU, NCCL with
+two GPUs), that pjit with ``tp_specs`` and with the batch sharded over ``"dp"``
+matches single-device.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _attention(p, x, cfg: GPTConfig):
     else:
         s = q.shape[-2]
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-        mask = torch.ones(s, s, dtype=torch.bool).tril()
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~mask, float("-inf"))
         o = torch.softmax(scores, dim=-1) @ v
     return F.linear(einops.rearrange(o, "b h s d -> b s (h d)"), p["wo"])
@@ -170,6 +171,8 @@ def _check_on_rank(mode: str, sdpa: bool, steps: int = 2):
         mesh = Mesh((2,), ("dp",))
         pspecs, bspec = dp_specs(params), P("dp")
     ospecs = opt_specs(pspecs)
+    # the single-device reference runs on the mesh's device (cpu, or this rank's GPU)
+    params, opt, ids, tgt = optree.tree_map(lambda t: t.to(mesh.device), (params, opt, ids, tgt))
     step = pjit(train_step, in_specs=(pspecs, ospecs, bspec, bspec),
                 out_specs=(pspecs, ospecs, P()), mesh=mesh, static_argnums=(4,))
     d_params, d_opt = shard(params, pspecs, mesh), shard(opt, ospecs, mesh)

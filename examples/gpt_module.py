@@ -1,6 +1,6 @@
 """A small GPT as an nn.Module, trained with a tensor-parallel plan under pjit.
 
-    python examples/gpt_module.py                      # 4 local CPU ranks, mesh ("dp"=2, "tp"=2), SP plan
+    python examples/gpt_module.py                      # 4 local ranks, mesh ("dp"=2, "tp"=2), SP plan
     python examples/gpt_module.py --plan megatron      # Megatron plan (all-reduces)
     python examples/gpt_module.py --dp 1 --tp 2        # 2 ranks
     torchrun --nproc-per-node 4 examples/gpt_module.py # the same under torchrun
@@ -220,12 +220,14 @@ def main(plan: str, dp: int, tp: int, steps: int, batch_size: int, lr: float):
 
     mesh = Mesh((dp, tp), ("dp", "tp"))
     cfg = Config()
-    model = GPT(cfg)
+    # the single-device reference runs on the mesh's device (cpu, or this rank's GPU)
+    model = GPT(cfg).to(mesh.device)
     specs = parallelize(model, PLANS[plan](), mesh, axis="tp")
     params = {k: v.detach() for k, v in model.named_parameters()}
     opt_state = optim.adamw_init(params)
+    opt_state["step"] = opt_state["step"].to(mesh.device)
     opt_specs = {"step": P(), "m": specs, "v": specs}
-    ids, targets = pattern_batch(cfg, batch_size)
+    ids, targets = (t.to(mesh.device) for t in pattern_batch(cfg, batch_size))
 
     train_step = make_train_step(model, functools.partial(optim.adamw, lr=lr))
     step = pjit(train_step, in_specs=(specs, opt_specs, P("dp"), P("dp")),

@@ -45,16 +45,16 @@ def ring_attention_block(q, k, v, bias, causal: bool = False):
     me = C.axis_index("sp")
     blk = q.shape[-2]
     scale = q.shape[-1] ** -0.5
-    rows = me * blk + torch.arange(blk)               # global query positions
+    rows = me * blk + torch.arange(blk, device=q.device)   # global query positions
 
-    m = torch.full((*q.shape[:-1], 1), float("-inf"))
-    l = torch.zeros((*q.shape[:-1], 1))
+    m = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
+    l = torch.zeros((*q.shape[:-1], 1), device=q.device)
     acc = torch.zeros_like(q)
     for step in range(n):
         s = (q @ k.transpose(-2, -1)) * scale + bias  # [b, h, blk, blk]; -inf: padding
         if causal:
             src = (me - step) % n                     # whose k/v block this is
-            cols = src * blk + torch.arange(blk)
+            cols = src * blk + torch.arange(blk, device=q.device)
             s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
         # The output does not depend on m (it cancels), so m carries no gradient. A row
         # whose keys so far are all masked keeps m = -inf: shift by 0 there instead.
@@ -90,8 +90,8 @@ def sdpa(q, k, v, bias, causal: bool):
     mask = bias
     if causal:
         n = q.shape[-2]
-        mask = mask + torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1),
-                                                    float("-inf"))
+        upper = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        mask = mask + torch.zeros(n, n, device=q.device).masked_fill(upper, float("-inf"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -101,6 +101,8 @@ def main(nprocs: int, causal: bool, batch: int, heads: int, seq: int, head_dim: 
     q, k, v = (torch.randn(batch, heads, seq, head_dim, generator=g) for _ in range(3))
     bias = padding_bias(batch, seq, g)
     w = torch.randn(batch, heads, seq, head_dim, generator=g)
+    # on the mesh's device (cpu, or this rank's GPU), where the single-device reference runs
+    q, k, v, bias, w = (t.to(mesh.device) for t in (q, k, v, bias, w))
 
     ring = make_ring(mesh, causal)
     out = gather(ring(q, k, v, bias))    # ring(...) is a DTensor laid out as SPEC

@@ -49,9 +49,14 @@ def sgd(params, grads, state=None, *, lr: float, momentum: float = 0.0, weight_d
 
 
 def adamw_init(params):
-    """AdamW state: step count and first/second moments."""
+    """AdamW state: step count and first/second moments. The step count is a float32
+    scalar on the device of the (plain tensor) parameters, where torch's fused CUDA
+    kernel reads it (``torch.optim.AdamW(fused=True)`` keeps it there too); on the
+    default device for DTensor parameters."""
+    device = next((t.device for t in optree.tree_leaves(params)
+                   if isinstance(t, torch.Tensor) and not _torch.is_dtensor(t)), None)
     return {
-        "step": torch.zeros((), dtype=torch.float32),
+        "step": torch.zeros((), dtype=torch.float32, device=device),
         "m": optree.tree_map(torch.zeros_like, params),
         "v": optree.tree_map(torch.zeros_like, params),
     }

@@ -1,8 +1,14 @@
-"""The main example runs under torchrun (the cluster path) and matches one device."""
+"""The main example runs under torchrun (the cluster path) and matches one device; the
+examples' models run on whatever device their inputs are on."""
 
 import os
 import subprocess
 import sys
+import types
+
+import optree
+import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,6 +32,42 @@ def test_ring_attention_example_matches_sdpa():
     # the gradient adds the transposes for k and v (the bias needs none)
     assert "max |ring - sdpa| dq" in res.stdout and "padded keys: 12 of 32" in res.stdout, res.stdout
     assert "forward {'ppermute': 3}, grad {'ppermute': 5" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("sdpa", [True, False])
+def test_the_gpt_runs_on_its_inputs_device(sdpa):
+    """Meta tensors stand in for a GPU: a tensor made without ``device=`` lands on the
+    CPU, and an op mixing it with the inputs raises."""
+    from examples import gpt
+    from sharded import optim
+
+    cfg = gpt.tiny(n_layers=1, d_model=16, vocab=32, seq=8, sdpa=sdpa)
+    params = optree.tree_map(lambda t: t.to("meta"), gpt.init_params(cfg))
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    p, o, loss = gpt.train_step(params, optim.adamw_init(params), ids, ids, cfg)
+    assert loss.device.type == o["step"].device.type == p["wte"].device.type == "meta"
+
+
+def test_the_module_gpt_runs_on_its_inputs_device():
+    from examples import gpt_module
+
+    model = gpt_module.GPT(gpt_module.Config(n_layers=1, dropout=0.1)).to("meta")
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    assert model(ids, ids).device.type == "meta"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_attention_runs_on_its_inputs_device(monkeypatch, causal):
+    from examples import ring_attention as ring
+
+    # the block on one rank, outside shard_map: its named-axis queries answered here
+    monkeypatch.setattr(ring, "C", types.SimpleNamespace(
+        axis_size=lambda axis: 1,
+        axis_index=lambda axis: torch.zeros((), dtype=torch.long, device="meta")))
+    q = torch.empty(2, 2, 16, 8, device="meta")
+    bias = torch.empty(2, 1, 1, 16, device="meta")
+    assert ring.ring_attention_block(q, q, q, bias, causal).device.type == "meta"
+    assert ring.sdpa(q, q, q, bias, causal).device.type == "meta"
 
 
 def _env():

@@ -73,3 +73,10 @@ def test_adamw_on_eager_dtensors_matches_torch():
         dparams, state = adamw(dparams, shard(g, {"a": P("dp"), "b": P()}, mesh), state,
                                lr=1e-2, weight_decay=0.1)
     torch.testing.assert_close({k: v.full_tensor() for k, v in dparams.items()}, ref)
+
+
+def test_adamw_step_count_lives_with_the_params():
+    """torch's fused CUDA kernel reads the step count on the parameters' device."""
+    params = {"w": torch.ones(3, device="meta"), "b": torch.ones(2, device="meta")}
+    assert adamw_init(params)["step"].device == torch.device("meta")
+    assert adamw_init({"w": torch.ones(3)})["step"].device == torch.device("cpu")
