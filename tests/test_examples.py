@@ -22,6 +22,11 @@ def test_train_example_under_torchrun():
     losses = [float(l.split()[1]) for l in lines if l.strip()[:1].isdigit()]
     assert len(losses) == 2 and losses[-1] < losses[0], res.stdout
     assert "loss difference over 6 steps" in res.stdout
+    # what benchmarks/gpu_check.py reads from the same run on GPUs
+    from benchmarks.gpu_check import train_output
+    out = train_output(res.stdout)
+    assert out["device"] == "cpu" and out["mesh"] == "{'dp': 1, 'tp': 2}", out
+    assert out["pjit"] == losses and out["max_diff"] is not None and out["max_diff"] < 1e-4, out
 
 
 def test_ring_attention_example_matches_sdpa():
