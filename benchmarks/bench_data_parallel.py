@@ -255,11 +255,27 @@ def _time(a: dict, spec: dict, world: int, rank: int) -> dict:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         res["loss0"][mode] = float(loss)
     res["times"] = M.timed_interleaved(steps, a["warmup"], a["iters"])
+    res["check_s"] = _value_check_time(spec, a["iters"])
     res["cost"] = {m: {k: v["count"] for k, v in states[m]["lower"]().cost().items()
                        if k != "total"}
                    for m in a["modes"] if "lower" in states[m]}
     res["compile"] = _compile_times(spec, world) if a["compile"] else {}
     return res
+
+
+def _value_check_time(spec: dict, iters: int) -> list[float]:
+    """What the check that plain inputs are equal on every rank costs the pjit rows per
+    step (NOTE [Per-rank data] in sharded/data.py): the digests of the step's plain
+    inputs, the batch, timed alone (the all-reduce that carries them runs anyway)."""
+    from sharded.data import value_digests
+
+    x, y = spec["batch"]
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        value_digests([x, y])
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def main(argv=None):
@@ -316,6 +332,10 @@ def main(argv=None):
             mib = f"{peak[m] / 2**20:.2f}" if m in peak else "-"
             print(f"{m:<18}{ms[m]:>9.1f}{mib:>10}{per_rank[0][name]['loss0'][m]:>10.4f}")
         print("time ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+        check_ms = max(statistics.median(r[name]["check_s"]) for r in per_rank) * 1e3
+        check_pct = {m: 100 * check_ms / ms[m] for m in a["modes"] if m.startswith("pjit_")}
+        print(f"plain-input value check: {check_ms * 1e3:.1f} us per step ("
+              + ", ".join(f"{v:.2f}% of {m}" for m, v in check_pct.items()) + ")")
         print("peak memory ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in mem_ratios.items()))
         for m, c in per_rank[0][name]["cost"].items():
             print(f"{m}: collectives per step {c}")
@@ -326,6 +346,7 @@ def main(argv=None):
             "ratios": ratios, "peak_memory_ratios": mem_ratios,
             "loss_first_step": per_rank[0][name]["loss0"], "cost_rank0": per_rank[0][name]["cost"],
             "compile_rank0": per_rank[0][name]["compile"],
+            "value_check_ms": check_ms, "value_check_pct_of_step": check_pct,
             "times_ms_per_rank": {m: [[t * 1e3 for t in r[name]["times"][m]] for r in per_rank]
                                   for m in a["modes"]},
         }

@@ -17,8 +17,11 @@ random-number state go to ``<run-dir>/checkpoint`` (``sharded.checkpoint``: each
 writes its own shards; the previous checkpoint stays loadable until the new one is
 complete). ``--resume`` continues from it on whatever mesh this run has: the
 checkpoint is resharded on load, and dropout draws the same numbers on any mesh, so
-the loss goes on as if the run had never stopped. The data is a function of the step
-(a synthetic language from a fixed random Markov chain), so it needs no loader state.
+the loss goes on as if the run had never stopped. Each rank loads only its own rows
+(a DataLoader with a DistributedSampler over the "dp" groups, made the global batch by
+``sharded.from_local_data``: docs/data.md); the data is a function of the step and the
+row (a synthetic language from a fixed random Markov chain), so it needs no loader
+state.
 
 Rank 0 shows a progress bar (loss, tokens/s), keeps ``<run-dir>/metrics.csv``, and at
 the end draws ``<run-dir>/loss.png``: the run's loss next to the single-device loss
@@ -42,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples import gpt_module as gm  # noqa: E402
-from sharded import Mesh, P, checkpoint, gather, optim  # noqa: E402
+from sharded import Mesh, P, checkpoint, from_local_data, gather, optim  # noqa: E402
 from sharded import random as srandom  # noqa: E402
 from sharded.modes import DataParallelMode  # noqa: E402
 from sharded.plans import parallelize  # noqa: E402
@@ -85,18 +88,56 @@ def markov_chain(tc: TrainConfig):
     return succ, probs, float((pi * h).sum())
 
 
-def batch(tc: TrainConfig, step: int, chain=None):
-    """The batch of step ``step``: token ids and next-token targets, [batch, seq]
-    each, the same on every rank and in every run."""
-    succ, probs, _ = chain or markov_chain(tc)
-    g = torch.Generator().manual_seed(tc.seed * 1_000_003 + step)
-    b, s = tc.batch_size, tc.model.seq
-    toks = torch.empty(b, s + 1, dtype=torch.long)
-    toks[:, 0] = torch.randint(0, tc.model.vocab, (b,), generator=g)
-    for i in range(s):
-        pick = torch.multinomial(probs[toks[:, i]], 1, generator=g)[:, 0]
-        toks[:, i + 1] = succ[toks[:, i], pick]
-    return toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
+class MarkovText(torch.utils.data.Dataset):
+    """Sequences of the synthetic language for steps ``start`` .. ``end - 1``, numbered
+    for a ``DistributedSampler`` over ``dp`` data-parallel groups.
+
+    Each sequence is a function of (seed, step, row): row ``row`` of the global batch
+    of step ``step``, the same in every run and on every mesh. A DistributedSampler
+    without shuffling deals index ``i`` to group ``i % dp``; the numbering below makes
+    group ``r``'s ``batch_size // dp`` sequences of a step rows ``r * b .. (r + 1) * b
+    - 1`` of that step's global batch, so the batch that ``from_local_data`` makes of
+    the groups' pieces is that step's global batch whatever ``dp`` is (and dropout,
+    whose numbers follow the global element index, draws the same numbers for each
+    row on every mesh).
+    """
+
+    def __init__(self, tc: TrainConfig, dp: int, start: int, end: int, chain=None):
+        self.tc, self.dp, self.start, self.end = tc, dp, start, end
+        self.succ, self.probs, _ = chain or markov_chain(tc)
+
+    def __len__(self) -> int:
+        return (self.end - self.start) * self.tc.batch_size
+
+    def __getitem__(self, i: int):
+        big = self.tc.batch_size
+        step, pos = self.start + i // big, i % big
+        row = (pos % self.dp) * (big // self.dp) + pos // self.dp
+        g = torch.Generator().manual_seed((self.tc.seed * 1_000_003 + step) * 65_537 + row)
+        toks = torch.empty(self.tc.model.seq + 1, dtype=torch.long)
+        toks[0] = torch.randint(0, self.tc.model.vocab, (1,), generator=g)
+        for k in range(self.tc.model.seq):
+            pick = torch.multinomial(self.probs[toks[k]], 1, generator=g)[0]
+            toks[k + 1] = self.succ[toks[k], pick]
+        return toks[:-1], toks[1:]
+
+
+def loader(tc: TrainConfig, mesh: Mesh, start: int, end: int, chain=None):
+    """This rank's batches of steps ``start`` .. ``end - 1``, each made the global batch
+    (docs/data.md): a DistributedSampler over the "dp" groups (the "tp" ranks of a
+    group load the same rows), then ``from_local_data(local, P("dp"))``."""
+    dp = mesh.size("dp") if "dp" in mesh.axis_names else 1
+    rank = mesh.coordinate()[mesh.axis_names.index("dp")] if "dp" in mesh.axis_names else 0
+    if tc.batch_size % dp:
+        raise SystemExit(f"--batch-size {tc.batch_size} does not split over {dp} 'dp' groups.")
+    data = MarkovText(tc, dp, start, end, chain)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=dp, rank=rank,
+                                                  shuffle=False, drop_last=True)
+    batches = torch.utils.data.DataLoader(data, batch_size=tc.batch_size // dp,
+                                          sampler=sampler, drop_last=True)
+    spec = P("dp") if "dp" in mesh.axis_names else P()
+    for ids, targets in batches:
+        yield from_local_data((ids, targets), spec, mesh)
 
 
 # -- the program -----------------------------------------------------------------------
@@ -143,9 +184,12 @@ class Trainer:
         self.step = 0
         srandom.manual_seed(tc.seed)
 
-    def train_step(self) -> float:
-        """One step on the batch of ``self.step``; returns the loss."""
-        ids, targets = batch(self.tc, self.step, self.chain)
+    def train_step(self, ids=None, targets=None) -> float:
+        """One step on the global batch ``ids``, ``targets`` (DTensors made by
+        ``loader``; by default, loaded here: the batch of ``self.step``); returns the
+        loss."""
+        if ids is None:
+            ids, targets = next(loader(self.tc, self.mesh, self.step, self.step + 1, self.chain))
         self.params, self.opt, loss = self._step(self.params, self.opt, ids, targets)
         self.step += 1
         return float(gather(loss))
@@ -202,8 +246,8 @@ def train(args, tc: TrainConfig) -> tuple[int, list]:
     bar = _progress(rank0, trainer.step, args.steps)
     rows, tokens = [], tc.batch_size * tc.model.seq
     last = time.perf_counter()
-    while trainer.step < args.steps:
-        loss = trainer.train_step()
+    for ids, targets in loader(tc, mesh, trainer.step, args.steps, trainer.chain):
+        loss = trainer.train_step(ids, targets)
         now = time.perf_counter()
         step_s, last = now - last, now
         rows.append((trainer.step - 1, loss, tokens / step_s, mesh_text))
@@ -236,7 +280,7 @@ def reference(args, tc: TrainConfig) -> list:
     """Single-device losses for steps 0 .. args.steps - 1: the same program, pjit on
     one process (the same dropout numbers), run in a process of its own."""
     trainer = Trainer(make_mesh(1, 1), tc)
-    return [trainer.train_step() for _ in range(args.steps)]
+    return [trainer.train_step(*b) for b in loader(tc, trainer.mesh, 0, args.steps, trainer.chain)]
 
 
 def update_metrics(run_dir: str, start: int, rows: list) -> list:

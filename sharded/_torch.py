@@ -461,6 +461,37 @@ def planned_redistributions(op, args, kwargs) -> list[tuple[torch.Tensor, tuple,
     return moves
 
 
+def planned_kwarg_placements(op, args, kwargs) -> dict[str, tuple]:
+    """The placements DTensor's plan for ``op`` wants each tensor keyword argument in,
+    for those it would need moved. DTensor moves positional inputs to its plan's
+    layouts but never keyword ones ("it's very rare that we need to reshard kwargs",
+    torch's _dispatch.redistribute_local_args), and its plan does not even say that
+    they need moving: it would run the kernel on a keyword tensor's local data as it
+    is (SDPA's ``attn_mask``). So the plan is made here as DTensor makes it (the op's
+    strategy, the cheapest of its specs), for ops with a strategy function (every
+    ``register_sharding`` rule); others: {}."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpStrategy
+    from torch.distributed.tensor._sharding_prop import _select_min_cost_strategy
+
+    dispatcher = DTensor._op_dispatcher
+    prop = dispatcher.sharding_propagator
+    strategy_fn = prop.op_strategy_funcs.get(op)
+    if strategy_fn is None:
+        return {}
+    schema = dispatcher.unwrap_to_op_info(op, args, kwargs).schema
+    names = [k for k, v in schema.kwargs_schema.items() if isinstance(v, DTensorSpec)]
+    if not names:
+        return {}
+    strategy = strategy_fn(prop._wrap_with_op_strategy(schema))
+    if not isinstance(strategy, OpStrategy):
+        return {}
+    chosen = _select_min_cost_strategy(strategy, schema).input_specs or ()
+    specs = list(chosen)[len(schema.args_spec):]
+    return {k: tuple(w.placements) for k, w in zip(names, specs)
+            if isinstance(w, DTensorSpec) and w.placements != schema.kwargs_schema[k].placements}
+
+
 # NOTE [User stack traces]
 # Later steps name the user's source line of a node (``node.meta["stack_trace"]``).
 # make_fx(record_stack_traces=True) captures and symbolizes the whole Python stack

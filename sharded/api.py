@@ -23,8 +23,10 @@ def shard(tree, specs, mesh: Mesh | None = None):
 
     ``specs`` is a pytree prefix of ``tree`` (a single ``P`` covers everything).
     Plain tensors are taken as the same global value on every rank and sliced
-    locally (no communication); DTensors are redistributed if their layout differs.
-    Non-tensor leaves are returned unchanged.
+    locally (no communication, and their values are not compared across ranks: give
+    every rank the same values, e.g. from the same seed; for data that each rank
+    loads on its own use ``sharded.from_local_data``); DTensors are redistributed if
+    their layout differs. Non-tensor leaves are returned unchanged.
     """
     mesh = current_mesh(mesh, "shard")
     leaves, treedef = _tree.flatten(tree)

@@ -110,11 +110,19 @@ class Outcome:
     - ``lines``: the readable form of that digest, computed only on a mismatch.
     - ``rng``: ``(seed or None, offset, this rank's torch.initial_seed())`` when the
       program draws random numbers, else None.
+    - ``values``: ``(path, digest)`` of each input that must hold the same values on
+      every rank (a plain tensor given as one global value: NOTE [Per-rank data] in
+      sharded/data.py); ranks that differ only here get an error naming the input.
     """
 
     program: int
     lines: Callable[[], list[str]]
     rng: tuple | None = None
+    values: tuple = ()
+
+    def token(self) -> int:
+        """``program`` with the ``values`` folded in: what the ranks compare."""
+        return token(self.program, self.values) if self.values else self.program
 
 
 def token(*parts) -> int:
@@ -150,11 +158,11 @@ def _issue(mesh, api: str, outcome):
     if isinstance(outcome, BaseException):
         t = FORCE
     elif outcome.rng is None:
-        t = outcome.program
+        t = outcome.token()
     elif outcome.rng[0] is None:
         t = FORCE                              # the seed must be settled together
     else:
-        t = token(outcome.program, outcome.rng[0], outcome.rng[1])
+        t = token(outcome.token(), outcome.rng[0], outcome.rng[1])
     buf = torch.tensor([t, -t], dtype=torch.int64)
     try:
         work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True)
@@ -220,7 +228,7 @@ def _exchange(group, api: str, outcome) -> list:
     if isinstance(outcome, BaseException):
         payload = ("error", me, _describe(outcome), _format_tb(outcome))
     else:
-        payload = ("ok", me, outcome.program, outcome.lines(), outcome.rng)
+        payload = ("ok", me, outcome.program, outcome.lines(), outcome.rng, outcome.values)
     try:
         gathered = all_gather_objects(payload, group)
     except Exception as e:  # noqa: BLE001
@@ -238,7 +246,29 @@ def _exchange(group, api: str, outcome) -> list:
     if len({p[2] for p in gathered}) > 1:
         raise RankMismatchError(f"{api}: ranks called it with different arguments or built "
                                 f"different programs.\n" + _diff(gathered)) from None
+    if len({p[5] for p in gathered}) > 1:
+        raise RankMismatchError(_values_differ(api, gathered)) from None
     return [p[4] for p in gathered]
+
+
+def _values_differ(api: str, gathered) -> str:
+    """The error for plain inputs whose values differ across ranks (NOTE [Per-rank
+    data] in sharded/data.py)."""
+    ref = gathered[0]
+    for p in gathered[1:]:
+        for (path, a), (_, b) in zip(ref[5], p[5]):
+            if a != b:
+                return (
+                    f"{api}: {path} is a plain tensor whose values differ across ranks (rank "
+                    f"{ref[1]} and rank {p[1]} hold different values). A plain tensor input "
+                    f"is one global value, the same on every rank; each rank takes its block "
+                    f"of it. For data that each rank loads on its own (a DataLoader with a "
+                    f"DistributedSampler), build the global batch with "
+                    f"sharded.from_local_data(local_batch, spec, mesh) and pass that DTensor; "
+                    f"for state, give every rank the same value (the same seed) or pass a "
+                    f"DTensor."
+                )
+    return f"{api}: the ranks' plain tensor inputs differ."
 
 
 def all_gather_objects(obj, group) -> list:

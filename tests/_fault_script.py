@@ -24,11 +24,12 @@ def train_until_fault(kind: str, steps: int = 100_000):
     step = pjit(lambda w, ids: F.embedding(ids, w).sum(), in_specs=(P(), P("dp")), mesh=mesh)
     ids = torch.tensor([1, 2, 3, 4])
     for i in range(steps):
-        if i == 3 and dist.get_rank() == 1:
-            print(f"rank 1 fails now ({kind})", flush=True)
-            if kind == "raise":
+        if i == 3:
+            if dist.get_rank() == 1:
+                print(f"rank 1 fails now ({kind})", flush=True)
+            if kind == "raise":             # one global batch, the bad index in rank 1's shard
                 ids = torch.tensor([1, 2, 3, 40])
-            else:
+            elif dist.get_rank() == 1:
                 threading.Timer(0.2, os._exit, (7,)).start()
         step(w, ids)
     return "finished"

@@ -779,10 +779,12 @@ def c_index_error_in_every_shard():
 # -- cases that close the process groups (a failure while a program runs) -------------------
 
 def c_index_error_in_one_shard():
-    w = torch.randn(8, 3)
+    # one global batch whose bad index lies in rank 1's shard only (a batch that
+    # differs across ranks fails on every rank before running: tests/test_data.py)
+    w = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
     f = pjit(lambda w, ids: F.embedding(ids, w).sum(), in_specs=(P(), P("dp")), mesh=_mesh())
     f(w, torch.tensor([1, 2, 3, 4]))
-    return f(w, torch.tensor([1, 2, 3, 40 if _rank() == 1 else 4]))
+    return f(w, torch.tensor([1, 2, 3, 40]))
 
 
 # -- cases on a 2x2 mesh (4 ranks) --------------------------------------------------------------
@@ -824,10 +826,10 @@ def c2_seed_differs_on_rank_2():
 
 
 def c2_index_error_on_rank_2():
-    w = torch.randn(8, 3)
+    w = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
     f = pjit(lambda w, ids: F.embedding(ids, w).sum(), in_specs=(P(), P(("dp", "tp"))), mesh=_mesh2())
     f(w, torch.tensor([1, 2, 3, 4]))
-    return f(w, torch.tensor([1, 2, 30, 4] if _rank() == 2 else [1, 2, 3, 4]))
+    return f(w, torch.tensor([1, 2, 30, 4]))          # the bad index in rank 2's shard
 
 
 # -- expectations ----------------------------------------------------------------------------

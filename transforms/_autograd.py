@@ -39,6 +39,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate
 
 from sharded import _torch, random as srandom, sync
+from sharded.data import value_digests
 from sharded.spec import local_slice
 
 _HIGHER_ORDER = (
@@ -85,14 +86,20 @@ class Backward:
             if isinstance(g, DTensor) and tuple(g.placements) != tuple(spec.placements):
                 moves.append((k, tuple(g.placements)))
         rng = srandom._call_state() if self.n_draws else None
+        # a plain cotangent is one global value too (NOTE [Per-rank data])
+        bases = [_torch.functorch_base(g) if isinstance(g, torch.Tensor) else None
+                 for g in cotangents]
+        plain = [k for k, g in enumerate(bases) if g is not None and not isinstance(g, DTensor)]
+        values = tuple(zip([f"the cotangent of output {k}" for k in plain],
+                           value_digests([cotangents[k] for k in plain])))
         if not moves:
-            return sync.Outcome(self.program, self.lines, rng)
+            return sync.Outcome(self.program, self.lines, rng, values)
 
         def lines():
             return self.lines() + [f"cotangent {k}: a DTensor laid out as {pl}, redistributed "
                                    f"before the backward" for k, pl in moves]
 
-        return sync.Outcome(sync.token(self.program, moves), lines, rng)
+        return sync.Outcome(sync.token(self.program, moves), lines, rng, values)
 
     def run(self, residuals, cotangents) -> list:
         dm = self.mesh.device_mesh

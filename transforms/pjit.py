@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from sharded import _torch, _tree, random as srandom, sync
+from sharded.data import value_digests
 from sharded.mesh import Mesh, current_mesh
 from sharded.modes import DTensorExpandMode, ParallelMode
 from sharded.modes._runner import RunState
@@ -193,10 +194,18 @@ class Compiled:
     donated_msgs: list = dataclasses.field(default_factory=list)
     reused: dict = dataclasses.field(default_factory=dict)     # donated input path -> output path
 
-    def steady_outcome(self) -> sync.Outcome:
-        """``outcome`` for inputs already in the planned layouts."""
+    def steady_outcome(self, plain: list[int], leaves: list) -> sync.Outcome:
+        """``outcome`` for inputs already in the planned layouts; ``plain``: the
+        indices of the leaves that are plain tensors (their values are checked: NOTE
+        [Per-rank data] in sharded/data.py)."""
         return sync.Outcome(self.program, self.lines,
-                            srandom._call_state() if self.n_draws else None)
+                            srandom._call_state() if self.n_draws else None,
+                            self._values(plain, leaves) if plain else ())
+
+    def _values(self, plain: list[int], leaves: list) -> tuple:
+        """(path, value digest) of the plain tensor leaves at ``plain``."""
+        digests = value_digests([leaves[i] for i in plain])
+        return tuple((self.in_paths[i], d) for i, d in zip(plain, digests))
 
     def outcome(self, leaves: list) -> sync.Outcome:
         """What this call brings to the cross-rank agreement (no communication):
@@ -205,6 +214,8 @@ class Compiled:
         moves = []
         if self.differentiable:           # torch.func-wrapped inputs: look at what they wrap
             leaves = [_torch.functorch_base(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        plain = [i for i, (leaf, pl) in enumerate(zip(leaves, self.in_plan))
+                 if pl is not None and isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor)]
         for i, (leaf, pl) in enumerate(zip(leaves, self.in_plan)):
             if pl is None or not isinstance(leaf, DTensor):
                 continue
@@ -219,14 +230,15 @@ class Compiled:
             if leaf.placements != pl:
                 moves.append((self.in_paths[i], tuple(leaf.placements)))
         if not moves:
-            return self.steady_outcome()
+            return self.steady_outcome(plain, leaves)
         program = sync.token(self.program, moves)
 
         def lines():
             return self.lines() + [f"input {p}: a DTensor laid out as {pl}, redistributed "
                                    f"before the program" for p, pl in moves]
 
-        return sync.Outcome(program, lines, srandom._call_state() if self.n_draws else None)
+        return sync.Outcome(program, lines, srandom._call_state() if self.n_draws else None,
+                            self._values(plain, leaves) if plain else ())
 
     def _locals(self, leaves: list, plan: list) -> list:
         """This rank's input tensors for the program (``plan``: per leaf, its
@@ -342,6 +354,7 @@ class _Steady:
     expect: list         # per leaf: a DTensorSpec, ("tensor", shape, dtype, device), ("static", type, value)
     cache: collections.OrderedDict
     key: tuple
+    plain: list          # indices of the plain tensor leaves (their values are checked)
 
     @staticmethod
     def arm(sig: _Signature, entry: "Compiled", outcome, nargs: int, cache, key) -> "_Steady | None":
@@ -362,10 +375,11 @@ class _Steady:
                 return None
             else:
                 expect.append(("static", type(x), x))
+        plain = [j for j, w in enumerate(expect) if type(w) is tuple and w[0] == "tensor"]
         return _Steady(sig.mesh, nargs, sig.static_argnums, sig.static_args, sig.treedef,
-                       sig.ambient, entry, expect, cache, key)
+                       sig.ambient, entry, expect, cache, key, plain)
 
-    def match(self, args: tuple, kwargs: dict, mesh) -> "tuple[Compiled, list, list] | None":
+    def match(self, args: tuple, kwargs: dict, mesh) -> "tuple[Compiled, list, list, list] | None":
         """(program, leaves, their local shards) when this call has the armed plan's
         signature and its inputs are in the planned layouts; None: take the full
         path."""
@@ -410,7 +424,7 @@ class _Steady:
             if self.key not in self.cache:
                 return None
             self.cache.move_to_end(self.key)
-        return self.entry, leaves, shards
+        return self.entry, leaves, shards, self.plain
 
 
 class Pjit:
@@ -479,9 +493,9 @@ class Pjit:
         try:
             hit = self._steady_match(args, kwargs, mesh)
             if hit is not None:                    # NOTE [The steady-state call]
-                entry, leaves, shards = hit
+                entry, leaves, shards, plain = hit
                 grad = None
-                outcome = entry.steady_outcome()
+                outcome = entry.steady_outcome(plain, leaves)
             else:
                 sig = self._signature(args, kwargs, mesh)
                 entry = self._lookup(sig) or self._compile(sig, args)

@@ -26,6 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from sharded import _manual, _region, _torch, _tree, sync
+from sharded.data import value_digests
 from sharded.mesh import Mesh, current_mesh
 from sharded.modes._expand import contiguous_strides
 from sharded.random.rewrite import RNG_STATE_OP
@@ -161,7 +162,14 @@ class ShardMap:
             lines = [f"input {i}: {str(x.dtype).replace('torch.', '')}{list(x.shape)} {s!r}"
                      + (f" from {tuple(x.placements)}" if isinstance(x, DTensor) else "")
                      for i, (x, s) in enumerate(tensors)]
-            outcome: sync.Outcome | Exception = sync.Outcome(sync.token(*lines), lambda: lines)
+            # a plain tensor is one global value (NOTE [Per-rank data] in sharded/data.py)
+            paths = [p for p, x in zip(_tree.leaf_paths(args, "args"), leaves)
+                     if isinstance(x, torch.Tensor)]
+            plain = [(p, x) for p, (x, _) in zip(paths, tensors)
+                     if not isinstance(x, DTensor) and not _torch.is_functorch_wrapped(x)]
+            values = tuple(zip([p for p, _ in plain], value_digests([x for _, x in plain])))
+            outcome: sync.Outcome | Exception = sync.Outcome(sync.token(*lines), lambda: lines,
+                                                             values=values)
         except Exception as e:  # noqa: BLE001 - every rank must hear about it
             outcome = e
         sync.agree(mesh, self.name, outcome)

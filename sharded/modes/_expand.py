@@ -126,10 +126,14 @@ class Expander(fx.Interpreter):
         handler = SPECIAL_OPS.get(target)
         if handler is not None:
             return handler(self, self.node, args, kwargs)
+        if target is _CAT:
+            return _cat(self, args, kwargs)
         if isinstance(target, _torch.OpOverload):
             args, kwargs = self.policy.before_op(self, self.node, target, args, kwargs)
             if target in _ELEMENTWISE_LISTS:
                 return _elementwise_lists(self, target, args, kwargs)
+            if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+                kwargs = _keyword_inputs_laid_out(self, target, args, kwargs)
         return super().call_function(target, args, kwargs)
 
     def run_node(self, n):
@@ -256,6 +260,54 @@ def _shard_map(ex: Expander, node, args, kwargs):
     else:
         outs = region.run_local(ex.locals_of(inputs, region.in_placements))
     return ex.globals_of(outs, region.out_placements, region.out_shapes)
+
+
+# -- keyword tensors ---------------------------------------------------------------------------------
+
+# NOTE [Keyword tensors are laid out by the expander]
+# DTensor redistributes an op's positional inputs to the layouts its sharding plan
+# chose, but not its keyword inputs: it runs the kernel on a keyword tensor's local
+# data as it is. SDPA takes its mask as ``attn_mask=`` (transformers passes one when
+# traced): with q, k, v split over the batch, the plan wants the mask split too, and
+# the kernel would get the whole mask with a quarter of the queries. The expander
+# moves keyword tensors to the plan's layouts before DTensor runs the op.
+def _keyword_inputs_laid_out(ex: Expander, target, args, kwargs) -> dict:
+    wanted = _torch.planned_kwarg_placements(target, args, kwargs)
+    if not wanted:
+        return kwargs
+    return {k: ex.redistribute(v, wanted[k]) if k in wanted else v for k, v in kwargs.items()}
+
+
+# -- cat of legacy empty tensors ------------------------------------------------------------------
+
+# NOTE [cat skips legacy empty tensors]
+# torch.cat skips every input of shape (0,) (a "legacy empty" tensor), whatever the
+# rank of the others, though each still counts for the result's dtype (torch.cat of
+# a float64 (0,) and a float32 [2, 3] is float64). transformers' DynamicCache starts
+# a layer's keys and values as torch.tensor([]) and appends with cat, so a traced
+# model with a cache holds cat((0,), keys). DTensor's cat strategy reads the cat dim
+# of every input and fails on the (0,) one ("Dimension out of range") once the other
+# is split (the heads under a tensor-parallel plan). The expander drops those inputs
+# before the policy and DTensor see the op, and casts the result to the dtype the
+# global graph recorded, which is torch's. All inputs empty: cat as is.
+_CAT = torch.ops.aten.cat.default
+
+
+def _is_legacy_empty(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 1 and x.shape[0] == 0
+
+
+def _cat(ex: Expander, args, kwargs):
+    tensors = list(args[0] if args else kwargs["tensors"])
+    kept = [t for t in tensors if not _is_legacy_empty(t)]
+    if kept and len(kept) < len(tensors):
+        args, kwargs = ((kept, *args[1:]), kwargs) if args else ((), {**kwargs, "tensors": kept})
+    args, kwargs = ex.policy.before_op(ex, ex.node, _CAT, args, kwargs)
+    out = fx.Interpreter.call_function(ex, _CAT, args, kwargs)
+    val = ex.node.meta.get("val") if ex.node is not None else None
+    if isinstance(val, torch.Tensor) and out.dtype != val.dtype:
+        out = out.to(val.dtype)
+    return out
 
 
 # -- multi-tensor kernels DTensor cannot plan ---------------------------------------------------
