@@ -15,6 +15,7 @@ from sharded import Mesh, P, gather, optim
 from sharded.modes import DataParallelMode, DTensorExpandMode
 from sharded.modes import _runner
 from tests import test_data_parallel as dpm
+from tests.requires import needs_cxx
 from transforms import pjit
 
 
@@ -53,6 +54,7 @@ def test_auto_keeps_small_programs_as_graphs():
     assert all(times[k] > 0 for k in ("trace", "partition", "passes"))
 
 
+@needs_cxx
 def test_compile_true_and_auto_switch(monkeypatch):
     """compile=True runs inductor from the first call; "auto" once the graph has run
     for SHARDED_COMPILE_BUDGET seconds, asked at calls FIRST_CHECK, 2 x FIRST_CHECK,
@@ -124,6 +126,7 @@ def _compile_fails_on_rank_1():
         _runner._torch.compile_ahead = real
 
 
+@needs_cxx
 def test_a_compile_failing_on_one_rank_keeps_every_rank_on_the_graph(on_ranks):
     for messages, kind, first, second in on_ranks(2, _compile_fails_on_rank_1):
         assert kind == "graph (compile failed)"
@@ -165,6 +168,7 @@ def _compiled_data_parallel_step():
         _runner.FIRST_CHECK = first
 
 
+@needs_cxx
 def test_inductor_runs_the_data_parallel_program(on_ranks):
     for kinds, collectives in on_ranks(2, _compiled_data_parallel_step):
         assert kinds == ["graph", "inductor", "inductor"]
@@ -175,6 +179,7 @@ def _grad_loss(p, x):
     return (torch.tanh(x @ p["w"]) * p["b"]).pow(2).mean()
 
 
+@needs_cxx
 def test_inductor_runs_the_backward_program_too():
     """loss.backward() and torch.func.grad through a pjit'd loss with compile=True:
     the forward and the backward programs both run inductor's code and give the
@@ -241,11 +246,13 @@ def _evict_fn(x):
     return (x * 2 + 1).sum()
 
 
+@needs_cxx
 def test_a_rank_that_rebuilds_a_program_stays_in_step(on_ranks):
     kinds = on_ranks(2, _evicted_and_rebuilt, None)
     assert kinds[0] == kinds[1] == ["graph", "graph", "inductor", "inductor", "inductor"], kinds
 
 
+@needs_cxx
 def test_donated_adamw_step_compiles_with_inductor():
     """compile=True with donation: the fused AdamW stays functional for inductor (its
     in-place form on donated inputs does not compile in torch 2.13: the compile once
