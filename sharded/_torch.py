@@ -545,6 +545,25 @@ def user_stack_traces(depth: int = 4):
         TracerBase.create_node = create_node
 
 
+# NOTE [Tracing as torch.export does]
+# Libraries ask torch whether they are being traced, and take a traceable branch if
+# so: transformers' masking code (find_packed_sequence_indices, the SDPA causal-mask
+# shortcut) calls ``.all()`` on a tensor unless ``torch.compiler.is_compiling()`` or
+# its own fake-tensor check says otherwise, and the fake tensor check sees only
+# torch.func's wrappers under grad. torch.export's non-strict mode, which traces with
+# make_fx as pjit does, sets both ``is_compiling()`` and ``is_exporting()`` for the
+# duration of its trace (torch._export.utils._compiling_state_context); pjit's trace
+# of the user's function does the same, so such code takes the branch it takes under
+# export. (torch itself reads the flags too, in the same way as under export: e.g.
+# nn.Module skips its always-called hooks after an exception.)
+def export_tracing_state():
+    """Context: ``torch.compiler.is_compiling()`` and ``is_exporting()`` are True, as
+    torch.export's non-strict trace sets them."""
+    from torch._export.utils import _compiling_state_context
+
+    return _compiling_state_context()
+
+
 def source_line(node) -> str:
     """``File "...", line N, in fn`` of the user's code that made ``node``, or ''."""
     trace = node.meta.get("stack_trace") or ""

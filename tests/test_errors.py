@@ -147,6 +147,37 @@ def test_data_dependent_control_flow(mesh1):
         pjit(f, in_specs=P(), mesh=mesh1)(torch.ones(2))
 
 
+def test_data_dependent_call_names_the_users_line(mesh1):
+    """Under torch.func.grad too: the frame is the user's, not torch.func's."""
+    def step(x):
+        def loss(x):
+            if (x > 0).all():  # the data-dependent line
+                return x.sum()
+            return (2 * x).sum()
+
+        return torch.func.grad(loss)(x)
+
+    with pytest.raises(TracingError) as info:
+        pjit(step, in_specs=P(), mesh=mesh1).lower(torch.ones(2))
+    assert f"\n  at {__file__}:" in str(info.value)
+    assert "in loss: `if (x > 0).all():  # the data-dependent line`" in str(info.value)
+
+
+def test_libraries_see_an_export_trace(mesh1):
+    """pjit traces as torch.export's non-strict mode does: torch.compiler.is_compiling()
+    and is_exporting() are True while the function is traced (libraries take their
+    traceable branch), and False around it."""
+    seen = []
+
+    def f(x):
+        seen.append((torch.compiler.is_compiling(), torch.compiler.is_exporting()))
+        return x + 1
+
+    pjit(f, in_specs=P(), mesh=mesh1).lower(torch.ones(2))
+    assert seen == [(True, True)]
+    assert (torch.compiler.is_compiling(), torch.compiler.is_exporting()) == (False, False)
+
+
 def test_op_without_sharding_rule(mesh1):
     g = pjit(lambda x: _no_rule(x), in_specs=P("dp"), mesh=mesh1)
     with pytest.raises(ShardingRuleError, match=r"DTensorExpandMode has no sharding rule for sharded_tests.no_rule.default .* Register one with sharded.rules.register_sharding\(sharded_tests.no_rule.default\)"):

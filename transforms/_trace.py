@@ -88,8 +88,10 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
         with _region.region_scope() as regions:   # shard_map bodies, owned by the graph
             with _global_trace():
                 try:
-                    with _torch.user_stack_traces():
-                        # stack traces: errors in later steps name the user's source line
+                    # stack traces: errors in later steps name the user's source line;
+                    # libraries see an export-style trace (NOTE [Tracing as torch.export
+                    # does] in sharded/_torch.py)
+                    with _torch.user_stack_traces(), _torch.export_tracing_state():
                         gm = make_fx(traced, tracing_mode="fake")(*fakes)
                 finally:
                     if state is not None:
@@ -109,6 +111,7 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
             f"x.item(), x.tolist(), x.nonzero()). The function is traced once with "
             f"abstract values; use torch.where for value-dependent choices, or pass the "
             f"value as a static argument (static_argnums)."
+            + _called_at(traceback.extract_tb(e.__traceback__), fn)
         ) from None
     except Exception as e:  # noqa: BLE001 - re-raised with the user's line and inputs
         raise _with_context(e, api, inputs, fn) from None
@@ -355,6 +358,27 @@ def where(frame: traceback.FrameSummary | None) -> str:
     if frame.line:
         line += f": `{frame.line.strip()}`"
     return line
+
+
+def _in_site_packages(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_SITE_DIRS)
+
+
+def _called_at(frames: Sequence[traceback.FrameSummary], fn=None) -> str:
+    """Where a data-dependent call was made: the innermost frame outside torch and this
+    project, and, where that frame is an installed library's (transformers'), the
+    innermost of the user's own code that led there."""
+    at = user_frame(frames)
+    if at is None:
+        defined = _defined_at(fn) if fn is not None else ""
+        return f"\n  in the function at {defined}" if defined else ""
+    out = f"\n  at {where(at)}"
+    if _in_site_packages(at.filename) and not at.filename.startswith("<"):
+        own = next((f for f in reversed(frames) if _is_user_file(f.filename)
+                    and not f.filename.startswith("<") and not _in_site_packages(f.filename)), None)
+        if own is not None:
+            out += f"\n  called from {where(own)}"
+    return out
 
 
 def _with_context(e: Exception, api: str, inputs: Sequence[str], fn=None) -> Exception:
