@@ -244,6 +244,10 @@ def _from_local_data_checks():
     d2 = from_local_data(torch.full((1, 3), float(r)), P(("dp", "tp")), mesh)
     out["both"] = gather(d2)
     out["specs"] = (spec_of(d), spec_of(d2), tuple(d.placements))
+    # shard_map takes it as any DTensor: each rank's block is its piece
+    local_sum = shard_map(lambda x: x.sum(0, keepdim=True), mesh=mesh, in_specs=P("dp"),
+                          out_specs=P("dp"))
+    out["shard_map"] = gather(local_sum(d))
     for name, piece, spec in [
         ("shape", torch.zeros(2 if r != 3 else 1, 3), P("dp")),
         ("shared", torch.full((2, 3), float(r)), P("dp")),
@@ -264,6 +268,7 @@ def test_from_local_data_on_a_2x2_mesh():
         torch.testing.assert_close(out["global"], torch.tensor([0.0, 0.0, 1.0, 1.0])[:, None].expand(4, 3))
         torch.testing.assert_close(out["both"], torch.arange(4.0)[:, None].expand(4, 3))
         assert out["specs"] == (P("dp"), P(("dp", "tp")), (Shard(0), Replicate()))
+        torch.testing.assert_close(out["shard_map"], torch.tensor([0.0, 2.0])[:, None].expand(2, 3))
         assert "from_local_data: the pieces of local differ across ranks: rank 0 gave float32[2, 3], rank 3 gave float32[1, 3]" in out["shape"]
         assert "drop_last=True" in out["shape"]
         assert "from_local_data: ranks 0 and 1 share the block of local laid out as P('dp')" in out["shared"]
