@@ -1,6 +1,8 @@
 """Bad input gets a clear error that names the API, the pytree path, the shapes, the
 mesh and the fix. Each test matches the fragment a user would search for."""
 
+import os
+
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -161,6 +163,30 @@ def test_data_dependent_call_names_the_users_line(mesh1):
         pjit(step, in_specs=P(), mesh=mesh1).lower(torch.ones(2))
     assert f"\n  at {__file__}:" in str(info.value)
     assert "in loss: `if (x > 0).all():  # the data-dependent line`" in str(info.value)
+
+
+def test_data_dependent_call_in_a_library_names_its_line_and_the_users(mesh1, tmp_path, monkeypatch):
+    """An installed library's line (one that asks for a value, as transformers' masking
+    code did before it checked torch.compiler.is_compiling()), and the user's call."""
+    import transforms._trace as trace
+
+    (tmp_path / "valuelib.py").write_text(
+        "def packed(pos):\n"
+        "    if (pos[:, -1] == 0).all():  # the library's line\n"
+        "        return None\n"
+        "    return pos\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(trace, "_SITE_DIRS", (str(tmp_path) + os.sep,))   # as if installed
+    import valuelib
+
+    def f(pos):
+        return valuelib.packed(pos) * 2  # the user's call
+
+    with pytest.raises(TracingError) as info:
+        pjit(f, in_specs=P(), mesh=mesh1).lower(torch.ones(2, 3))
+    msg = str(info.value)
+    assert f"\n  at {tmp_path / 'valuelib.py'}:2 in packed: `if (pos[:, -1] == 0).all():  # the library's line`" in msg
+    assert f"\n  called from {__file__}:" in msg and "`return valuelib.packed(pos) * 2  # the user's call`" in msg
 
 
 def test_libraries_see_an_export_trace(mesh1):
