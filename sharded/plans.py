@@ -3,9 +3,11 @@ traces.
 
 A plan maps module paths (fnmatch patterns per path atom, as ``parallelize_module``
 takes them) to styles: the project's builders (``colwise``, ``rowwise``,
-``sequence_parallel``, ``prepare_input``, ``prepare_output``) or torch's own
+``sequence_parallel``, ``prepare_input``, ``prepare_output``), torch's own
 ParallelStyle objects (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
-``PrepareModuleInput``, ``PrepareModuleOutput``, ``PrepareModuleInputOutput``).
+``PrepareModuleInput``, ``PrepareModuleOutput``, ``PrepareModuleInputOutput``), or
+transformers' plan strings (``"colwise"``, ``"rowwise"``, ...: a model's
+``config.base_model_tp_plan`` as it is; NOTE [transformers' plan strings]).
 
 - ``specs_from_plan(module_or_params, plan, mesh, *, axis="tp")``: the spec of every
   parameter (``P()`` where the plan says nothing).
@@ -271,11 +273,20 @@ class _Entry:
     atoms: tuple
     styles: list          # [Style]
     shown: str            # the plan value as the user wrote it
+    refused: str | None = None   # a transformers plan string sharded does not take: why
+    named: bool = False          # a transformers plan string (its key may name a parameter)
 
 
 def _plan_entries(plan, api) -> list[_Entry]:
-    if isinstance(plan, (Style, ParallelStyle)):
+    if isinstance(plan, (Style, ParallelStyle, str)):
         plan = {"": plan}
+    if plan is None:
+        raise TypeError(
+            f"{api}: plan is None. A transformers config without a tensor-parallel plan "
+            f"(GPT-2's config.base_model_tp_plan is None) has none to give; write the plan "
+            f"as a dict from module paths to styles, e.g. {{'layers.*.mlp.up_proj': "
+            f"'colwise'}}, or train the model data parallel."
+        )
     if not isinstance(plan, dict):
         raise TypeError(
             f"{api}: plan must be a dict from module paths to styles (or one style); got "
@@ -285,8 +296,14 @@ def _plan_entries(plan, api) -> list[_Entry]:
     for key, value in plan.items():
         if not isinstance(key, str):
             raise TypeError(f"{api}: plan key {key!r} is not a string (a module path).")
-        styles = _styles_of(value, f"{api}: plan[{key!r}]")
-        out.append(_Entry(key, tuple(key.split(".")) if key else (), styles, repr(value)))
+        where = f"{api}: plan[{key!r}]"
+        refused = None
+        if isinstance(value, str):
+            styles, refused = _hf_styles(value, where)
+        else:
+            styles = _styles_of(value, where)
+        out.append(_Entry(key, tuple(key.split(".")) if key else (), styles, repr(value),
+                          refused, named=isinstance(value, str)))
     return out
 
 
@@ -317,10 +334,94 @@ def _styles_of(value, where) -> list[Style]:
                                desired_output_layouts=value.desired_output_layouts)]
     raise TypeError(
         f"{where} is {value!r}; expected a style: sharded.plans.colwise(), rowwise(), "
-        f"sequence_parallel(), prepare_input(...), prepare_output(...), or torch's "
+        f"sequence_parallel(), prepare_input(...), prepare_output(...), torch's "
         f"ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, "
-        f"PrepareModuleOutput, PrepareModuleInputOutput."
+        f"PrepareModuleOutput, PrepareModuleInputOutput, or one of transformers' plan "
+        f"strings ('colwise', 'rowwise', ...: docs/plans.md)."
     )
+
+
+# ---------------------------------------------------------------------------------------
+# transformers' plan strings
+# ---------------------------------------------------------------------------------------
+
+# NOTE [transformers' plan strings]
+# A transformers config carries its model's tensor-parallel plan as strings
+# (``config.base_model_tp_plan``: {"layers.*.self_attn.q_proj": "colwise", ...}) that
+# name the styles transformers registers (``ALL_PARALLEL_STYLES`` in
+# transformers.distributed.tensor_parallel; older releases had the ``local_*``,
+# ``gather`` and ``isolated`` names). Each name maps to the style here that lays out
+# the same parameters and activations, or is refused with its reason and what to
+# write instead. transformers runs some styles on each rank's local shards and adds
+# the collectives that make the result right by hand (the gradient all-reduce of a
+# replicated per-head norm, the sum of partial outputs); a pjit program is global, so
+# those sums are part of the program whatever the layouts, and such styles map to no
+# style at all: the module's parameters are replicated. Refused are the styles whose
+# layout no ``P`` expresses (a fused gate/up weight split part by part: DTensor's
+# _StridedShard) and the expert-parallel ones (experts run on local weights with
+# their own all-to-alls), which have no counterpart here.
+
+_PACKED = ("splits a fused weight (gate and up projections packed along one dim) part "
+           "by part (DTensor's _StridedShard), a layout no P expresses",
+           "unfuse the projections and use 'colwise'/'rowwise' on them, or leave the "
+           "module out of the plan and give its weight a spec by hand")
+_EXPERTS = ("runs mixture-of-experts weights on each rank's local shards with its own "
+            "collectives; sharded.plans has no expert-parallel style",
+            "leave the experts out of the plan (replicated), or give their weights specs "
+            "by hand (e.g. P('tp') on the expert dim)")
+_LOCAL = ("runs the module's forward on its local parameter shards, which a pjit "
+          "program (global values) does not have",
+          "leave the module out of the plan and give its parameters specs by hand")
+
+# name -> the styles it maps to (a function: Styles are built per call), or
+# (why it is refused, what to use instead)
+_HF_PLAN_STRINGS: dict = {
+    "colwise": lambda: [colwise()],
+    "rowwise": lambda: [rowwise()],
+    "colwise_rep": lambda: [colwise(output_layouts=Replicate())],
+    "colwise_gather_output": lambda: [colwise(output_layouts=Replicate())],
+    "rowwise_rep": lambda: [rowwise(input_layouts=Replicate())],
+    "rowwise_split_input": lambda: [rowwise(input_layouts=Replicate())],
+    "embedding_rowwise": lambda: [rowwise(input_layouts=Replicate(), embedding=True)],
+    "embedding_colwise": lambda: [colwise(output_layouts=Replicate(), embedding=True)],
+    "sequence_parallel": lambda: [sequence_parallel()],
+    "local_colwise": lambda: [colwise()],
+    "local_rowwise": lambda: [rowwise()],
+    "replicate": lambda: [],
+    "replicated_with_grad_allreduce": lambda: [],
+    "mla_kv_a_proj": lambda: [],
+    "all_reduce": lambda: [],
+    "gather": lambda: [],
+    "packed_colwise": _PACKED,
+    "packed_rowwise": _PACKED,
+    "local_packed_rowwise": _PACKED,
+    "moe_tp_experts": _EXPERTS,
+    "moe_identity_expert": _EXPERTS,
+    "grouped_gemm": _EXPERTS,
+    "ep_router": _EXPERTS,
+    "ep_dispatch_experts": _EXPERTS,
+    "local": _EXPERTS,
+    "isolated": _EXPERTS,
+    "local_params": _LOCAL,
+}
+
+
+def _hf_styles(name: str, where: str) -> tuple[list[Style], str | None]:
+    """(styles, None) for a transformers plan string that maps, ([], why) for one that
+    is refused (raised once it is known which module it is on)."""
+    entry = _HF_PLAN_STRINGS.get(name)
+    if entry is None:
+        close = difflib.get_close_matches(name, list(_HF_PLAN_STRINGS), n=3, cutoff=0.5)
+        raise ValueError(
+            f"{where} is {name!r}, which is not a transformers plan string that "
+            f"sharded.plans knows{f' (close: {close})' if close else ''}. Known: "
+            f"{sorted(_HF_PLAN_STRINGS)}; or give a style object (colwise(), rowwise(), "
+            f"torch's ColwiseParallel, ...)."
+        )
+    if isinstance(entry, tuple):
+        why, instead = entry
+        return [], f"transformers' {name!r} style {why}; {instead}."
+    return entry(), None
 
 
 def _matches(atoms: tuple, path_atoms: tuple) -> bool:
@@ -347,7 +448,7 @@ def _spec(placement, axis, ndim) -> P:
 # Modules: parameter specs and the styles bound to each module
 # ---------------------------------------------------------------------------------------
 
-_LINEAR, _EMBEDDING, _OTHER = "linear", "embedding", "other"
+_LINEAR, _EMBEDDING, _CONV1D, _OTHER = "linear", "embedding", "conv1d", "other"
 
 
 def _module_kind(m: nn.Module) -> str:
@@ -355,6 +456,8 @@ def _module_kind(m: nn.Module) -> str:
         return _LINEAR
     if isinstance(m, nn.Embedding):
         return _EMBEDDING
+    if type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers."):
+        return _CONV1D
     return _OTHER
 
 
@@ -366,10 +469,21 @@ def _module_specs(root: nn.Module, entries, mesh, axis, api):
     bound: dict[int, list] = {}
     for entry in entries:
         hits = [(p, m) for p, m in modules if _matches(entry.atoms, tuple(p.split(".")) if p else ())]
+        if not hits and entry.named and entry.atoms:
+            # transformers' plans may name a parameter ("norm.weight"): its module
+            hits = [(p, m) for p, m in modules
+                    if _matches(entry.atoms[:-1], tuple(p.split(".")) if p else ())
+                    and any(fnmatch.fnmatchcase(n, entry.atoms[-1])
+                            for n, _ in m.named_parameters(recurse=False))]
         if not hits:
             raise _no_match(api, entry, [p for p in paths if p], "module path")
         for path, m in hits:
             kind = _module_kind(m)
+            if entry.refused:
+                raise ValueError(
+                    f"{api}: plan[{entry.key!r}] = {entry.shown} on module "
+                    f"{path or '<root>'!r} ({type(m).__name__}) is refused: {entry.refused}"
+                )
             for style in entry.styles:
                 where = f"{api}: plan[{entry.key!r}] = {style!r} on module {path or '<root>'!r} ({type(m).__name__})"
                 _check_style_fits(style, kind, where)
@@ -391,6 +505,16 @@ def _module_specs(root: nn.Module, entries, mesh, axis, api):
 
 def _check_style_fits(style: Style, kind: str, where: str) -> None:
     if style.kind in ("colwise", "rowwise"):
+        if kind == _CONV1D:
+            split = ("weight P(None, axis), bias P(axis)" if style.kind == "colwise"
+                     else "weight P(axis), bias P()")
+            raise TypeError(
+                f"{where}: {style.kind} applies to nn.Linear and nn.Embedding modules only; "
+                f"transformers' Conv1D (GPT-2's layers) keeps its weight as [in, out], the "
+                f"transpose of nn.Linear's, and is refused rather than guessed. Give its "
+                f"parameters specs by hand ({style.kind}: {split}), or train it data "
+                f"parallel."
+            )
         if kind == _OTHER:
             raise TypeError(
                 f"{where}: {style.kind} applies to nn.Linear and nn.Embedding modules only "
@@ -462,6 +586,11 @@ def _params_specs(params, entries, mesh, axis):
             t = leaves[i]
             if not isinstance(t, torch.Tensor):
                 continue
+            if entry.refused:
+                raise ValueError(
+                    f"{api}: plan[{entry.key!r}] = {entry.shown} on {names[i]!r} is "
+                    f"refused: {entry.refused}"
+                )
             for style in entry.styles:
                 where = f"{api}: plan[{entry.key!r}] = {style!r} on {names[i]!r} (shape {tuple(t.shape)})"
                 if style.kind in ("colwise", "rowwise") and t.ndim not in (1, 2):

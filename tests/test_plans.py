@@ -416,8 +416,9 @@ def test_plan_errors(mesh1):
         specs_from_plan(model, {"blocks.*.attn.wz": colwise()}, mesh1)
     with pytest.raises(TypeError, match=r"on module 'blocks.0.ln1' \(LayerNorm\).*nn.Linear and nn.Embedding"):
         specs_from_plan(model, {"blocks.0.ln1": ColwiseParallel()}, mesh1)
-    with pytest.raises(TypeError, match=r"plan\['head'\] is 'colwise'; expected a style"):
-        specs_from_plan(model, {"head": "colwise"}, mesh1)
+    # transformers' plan strings are styles ("colwise"), others are not (tests/test_hf_models.py)
+    with pytest.raises(ValueError, match=r"plan\['head'\] is 'column', which is not a transformers plan string"):
+        specs_from_plan(model, {"head": "column"}, mesh1)
 
     class MyStyle(ParallelStyle):
         def _apply(self, module, device_mesh):
