@@ -189,6 +189,21 @@ def is_plain_partial(placement) -> bool:
     return type(placement) is Partial
 
 
+def strided_shard(dim: int, split_factor: int):
+    """DTensor's _StridedShard: a split of ``dim`` minor to ``split_factor`` ranks'
+    worth of splits by later mesh axes (NOTE [Axes out of mesh order] in spec.py)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def split_factor(placement) -> int | None:
+    """A _StridedShard's split factor; None for any other placement."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return placement.split_factor if isinstance(placement, _StridedShard) else None
+
+
 def is_partial(placement) -> bool:
     from torch.distributed.tensor import Partial
 

@@ -161,49 +161,104 @@ def check_spec(spec: P, shape: Sequence[int], mesh, where: str) -> None:
 # ---------------------------------------------------------------------------
 
 
+# NOTE [Axes out of mesh order]
+# ``P(("x", "y"))`` splits a dim over "x" (major) and then "y" (minor): each rank's
+# block is contiguous, and the ranks along "y" split their "x" block. DTensor nests
+# the shards of one dim in mesh-axis order; an axis that the spec lists after axes
+# that come later in the mesh is a _StridedShard whose split factor is the product of
+# those later axes' sizes: P(("tp", "dp")) on a ("dp", "tp") mesh is
+# (_StridedShard(0, split_factor=|tp|), Shard(0)), FSDP2's layout of a tensor-parallel
+# parameter, which DataParallelMode("shard") gives a parameter that "tp" already splits
+# on its only dim. Read back, a _StridedShard is a spec only where its split factor is
+# such a product (a contiguous block); any other (a view that merged two split dims) is
+# a layout no P expresses, and from_placements raises ValueError.
+
+
 def to_placements(spec: P, mesh) -> tuple[Placement, ...]:
-    """The DTensor placements (one per mesh axis) that realise ``spec`` on ``mesh``."""
-    placements: list[Placement] = [Replicate() for _ in mesh.axis_names]
+    """The DTensor placements (one per mesh axis) that realise ``spec`` on ``mesh``
+    (NOTE [Axes out of mesh order])."""
+    names = mesh.axis_names
+    placements: list[Placement] = [Replicate() for _ in names]
     for dim, entry in enumerate(spec):
-        for axis in _axes_of(entry):
-            placements[mesh.axis_names.index(axis)] = Shard(dim)
+        axes = _axes_of(entry)
+        for j, axis in enumerate(axes):
+            i = names.index(axis)
+            factor = 1
+            for earlier in axes[:j]:
+                if names.index(earlier) > i:
+                    factor *= mesh.shape[names.index(earlier)]
+            placements[i] = Shard(dim) if factor == 1 else _torch.strided_shard(dim, factor)
     return tuple(placements)
 
 
 def from_placements(placements: Iterable[Placement], mesh, ndim: int) -> P:
     """The spec of a DTensor laid out by ``placements`` on ``mesh``.
 
-    Raises ValueError for Partial placements, which a spec cannot express.
+    Raises ValueError for Partial placements, which a spec cannot express, and for a
+    _StridedShard that is no contiguous block (NOTE [Axes out of mesh order]).
     """
-    entries: list[list[str]] = [[] for _ in range(ndim)]
-    for axis, pl in zip(mesh.axis_names, placements):
-        if isinstance(pl, Shard):
-            entries[pl.dim].append(axis)
+    placements = tuple(placements)
+    by_dim: list[list[int]] = [[] for _ in range(ndim)]
+    for i, (axis, pl) in enumerate(zip(mesh.axis_names, placements)):
+        if isinstance(pl, Shard) or _torch.split_factor(pl) is not None:
+            by_dim[getattr(pl, "dim")].append(i)
         elif _torch.is_partial(pl):
             raise ValueError(
-                f"a tensor with placements {tuple(placements)} is a pending reduction "
+                f"a tensor with placements {placements} is a pending reduction "
                 f"over mesh axis {axis!r}; a PartitionSpec cannot express it. Reduce it "
                 f"first (e.g. dtensor.redistribute(...) to Replicate)."
             )
         elif not isinstance(pl, Replicate):
             raise ValueError(f"unsupported placement {pl!r} on mesh axis {axis!r}")
-    out = [None if not e else (e[0] if len(e) == 1 else tuple(e)) for e in entries]
-    while out and out[-1] is None:
-        out.pop()
-    return P(*out)
+    entries = []
+    for axes_i in by_dim:
+        order = _nesting(axes_i, placements, mesh)
+        names = tuple(mesh.axis_names[i] for i in order)
+        entries.append(None if not names else names[0] if len(names) == 1 else names)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def _nesting(axes_i: list[int], placements: tuple, mesh) -> list[int]:
+    """The mesh axes (indices) that split one dim, major to minor (NOTE [Axes out of
+    mesh order]): from the last in mesh order back, each goes in after the axes whose
+    sizes multiply to its split factor."""
+    order: list[int] = []
+    for i in reversed(axes_i):
+        factor = _torch.split_factor(placements[i]) or 1
+        at, product = 0, 1
+        while product < factor and at < len(order):
+            product *= mesh.shape[order[at]]
+            at += 1
+        if product != factor:
+            raise ValueError(
+                f"unsupported placement {placements[i]!r} on mesh axis "
+                f"{mesh.axis_names[i]!r}: its split factor is no product of the sizes of "
+                f"the later mesh axes that split dim {placements[i].dim}, so the blocks are "
+                f"not contiguous and no PartitionSpec expresses them"
+            )
+        order.insert(at, i)
+    return order
 
 
 def block(shape: Sequence[int], placements: Sequence[Placement], mesh, coord=None):
     """``(sizes, starts)`` of the block of a tensor of ``shape`` laid out by
     ``placements`` that the rank at mesh coordinate ``coord`` holds (this rank's by
-    default). Shards nest in mesh-axis order (axis 0 major), as DTensor lays them out."""
+    default). The shards of a dim nest as its spec lists their axes: in mesh-axis
+    order (axis 0 major), as DTensor lays them out, except where a _StridedShard puts
+    an axis after later ones (NOTE [Axes out of mesh order])."""
     if coord is None:
         coord = mesh.coordinate()
+    placements = tuple(placements)
     sizes, starts = list(shape), [0] * len(shape)
-    for axis_i, pl in enumerate(placements):
-        if type(pl) is Shard:
-            sizes[pl.dim] //= mesh.shape[axis_i]
-            starts[pl.dim] += coord[axis_i] * sizes[pl.dim]
+    for dim in range(len(shape)):
+        axes_i = [i for i, pl in enumerate(placements)
+                  if (type(pl) is Shard or _torch.split_factor(pl) is not None)
+                  and getattr(pl, "dim") == dim]
+        for i in _nesting(axes_i, placements, mesh):
+            sizes[dim] //= mesh.shape[i]
+            starts[dim] += coord[i] * sizes[dim]
     return tuple(sizes), tuple(starts)
 
 

@@ -45,6 +45,35 @@ def test_placements_round_trip(spec, placements):
     assert repr(from_placements(placements, MESH, 2)) == repr(spec)  # no trailing Nones
 
 
+def test_axes_out_of_mesh_order_are_strided_shards():
+    """NOTE [Axes out of mesh order]: P(("tp", "dp")) on a ("dp", "tp") mesh is FSDP2's
+    (_StridedShard(0, split_factor=|tp|), Shard(0)), and every order of a dim's axes
+    round-trips; each rank's block (spec.block) is the one DTensor computes, on 2- and
+    3-axis abstract meshes, for every rank. A _StridedShard whose split factor is no
+    product of later axes' sizes (a view that merged two split dims) has no spec."""
+    import itertools
+
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from sharded import _torch
+    from sharded.spec import block
+
+    assert to_placements(P(("tp", "dp")), MESH) == (_torch.strided_shard(0, 2), Shard(0))
+    for shape, names in (((2, 3), ("a", "b")), ((2, 3, 2), ("a", "b", "c"))):
+        for order in (o for k in range(2, len(names) + 1) for o in itertools.permutations(names, k)):
+            spec = P(None, order)
+            for rank in range(6 if len(shape) == 2 else 12):
+                mesh = Mesh.abstract(shape, names, rank=rank)
+                pl = to_placements(spec, mesh)
+                assert from_placements(pl, mesh, 2) == spec
+                with _torch.suspend_dispatch_modes():
+                    size, offset = compute_local_shape_and_global_offset(
+                        torch.Size((3, 24)), mesh.device_mesh, pl)
+                assert block((3, 24), pl, mesh) == (tuple(size), tuple(offset)), (spec, rank)
+    with pytest.raises(ValueError, match="no PartitionSpec expresses them"):
+        from_placements((_torch.strided_shard(0, 3), Shard(0)), MESH, 1)
+
+
 def test_partial_has_no_spec():
     with pytest.raises(ValueError, match="pending reduction over mesh axis 'dp'"):
         from_placements((Partial(), Replicate()), MESH, 2)
