@@ -698,7 +698,44 @@ def abstract_device_mesh(shape, axis_names, rank: int, device_type: str):
     dm._dim_group_names = names
     dm._thread_id = next(_ABSTRACT_IDS)
     dm._hash = None
+    dm._sharded_abstract = (tuple(shape), rank)
     return dm
+
+
+# NOTE [One reduction over every mesh axis]
+# A pending sum over several mesh axes (a loss over the batch and a vocab-parallel
+# head: Partial on "dp" and on "tp") is reduced by DTensor one axis after the other:
+# two all-reduces in sequence (DTensor warns), unless a flattened DeviceMesh over
+# those axes exists, which is a process group of its own and collective to create.
+# Over every axis of a mesh that spans the world, the world's group is that group
+# (no group to create, nothing communicated); over every axis of an abstract mesh, a
+# fake group of the mesh's size. Other sets of axes keep the reductions in sequence.
+def mesh_group(device_mesh) -> str | None:
+    """The name of a process group over every rank of ``device_mesh`` that exists
+    without communicating (NOTE [One reduction over every mesh axis]), or None."""
+    from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup
+    from torch.distributed.distributed_c10d import _register_process_group
+
+    abstract = getattr(device_mesh, "_sharded_abstract", None)
+    if abstract is None:
+        if dist.is_initialized() and device_mesh.size() == dist.get_world_size():
+            return dist.group.WORLD.group_name
+        return None
+    name = getattr(device_mesh, "_sharded_mesh_group", None)
+    if name is None:
+        shape, rank = abstract
+        size = device_mesh.size()
+        backend = FakeProcessGroup._create_internal(rank, size, FakeProcessGroup.Options())
+        pg = ProcessGroup(dist.HashStore(), rank, size)
+        for dev in ("cpu", "cuda"):
+            pg._register_backend(torch.device(dev), ProcessGroup.BackendType.CUSTOM, backend)
+        pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+        name = f"sharded_abstract_{'x'.join(map(str, shape))}_all_r{rank}"
+        pg._set_group_name(name)
+        _register_process_group(name, pg)
+        device_mesh._pg_registry[name] = pg      # (the registry holds groups weakly)
+        device_mesh._sharded_mesh_group = name
+    return name
 
 
 def compile_ahead(gm, example_inputs: list):

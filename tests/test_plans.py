@@ -550,8 +550,9 @@ def test_plans_compose_with_data_parallel_mode(on_ranks):
             assert [d for d, e in enumerate(spec) if e is not None and "tp" in ((e,) if isinstance(e, str) else e)] == tp_dims
             if layout == "replicate":
                 assert dp_dims == [], (name, k, spec)
-            else:
-                assert len(dp_dims) <= 1 and not set(dp_dims) & set(tp_dims), (name, k, spec)
+            else:    # a dim "tp" splits only where it splits every dim: P(("tp", "dp"))
+                assert len(dp_dims) <= 1, (name, k, spec)
+                assert all(spec[d] == ("tp", "dp") for d in set(dp_dims) & set(tp_dims)), (name, k, spec)
         if layout == "shard":
             n_sharded = sum("dp" in str(spec) for spec in out_specs.values())
             assert n_sharded >= len(out_specs) // 2, (name, out_specs)

@@ -28,8 +28,14 @@ batch" (a state shard is a Shard too). The policy keeps them honest:
   reduce-scatter, the optimizer runs on shards), else replicated (an all-reduce).
   A pending sum read by several ops (a gradient read twice by a foreach AdamW), or
   only by ops that would reduce it anyway (the fused AdamW kernel), is reduced once,
-  where it is produced, to the state layout of its shape: that puts every gradient
-  reduction in backward order, where the passes bucket and overlap them.
+  where it is produced, to the layout of the parameter its readers combine it with,
+  else the state layout of its shape (NOTE [A gradient takes its parameter's
+  layout]): that puts every gradient reduction in backward order, where the passes
+  bucket and overlap them. Over every mesh axis at once it is one all-reduce (NOTE
+  [One reduction over every mesh axis] in _torch.py).
+- A broadcast of a replicated value to a batch value's shape (the backward's seed of
+  ``logits.sum()``) is split like that value (NOTE [A broadcast to the batch's
+  shape]).
 - Outputs without an out_spec: batch values stay split, everything else takes the
   state layout (updated parameters and moments come out as they went in; a reduced
   loss is a replicated scalar).
@@ -37,6 +43,7 @@ batch" (a state shard is a Shard too). The policy keeps them honest:
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -55,7 +62,10 @@ from sharded.passes import (DEFAULT_BUCKET_BYTES, bound_reduce_scatters, bucket_
                             sink_waits, untie_shape_reads)
 from sharded.spec import P, from_placements, to_placements
 
+_F = _torch.c10d_functional
+
 _SHARDINGS = ("replicate", "shard")
+_EXPAND = torch.ops.aten.expand.default
 
 
 class DataParallelMode(ParallelMode):
@@ -160,17 +170,29 @@ class DataParallelMode(ParallelMode):
     def state_placements(self, shape, placements, mesh, dp) -> tuple:
         """The layout of state of ``shape`` whose other mesh axes are laid out as
         ``placements``: replicated over the axis (``"replicate"``), or split over it on
-        its first dim that no other axis splits, where that dim divides (``"shard"``)."""
+        its first dim that no other axis splits, where that dim divides (``"shard"``).
+        State whose every dim another axis splits (a column-parallel bias, ``P("tp")``)
+        is split on its first dim whose block divides, minor to those axes:
+        ``P(("tp", "dp"))``, as FSDP2 lays out a tensor-parallel parameter (NOTE [Axes
+        out of mesh order] in spec.py)."""
         out = list(placements)
         out[dp] = Replicate()
-        if self.param_sharding == "shard":
-            taken = {p.dim for i, p in enumerate(placements) if i != dp and isinstance(p, Shard)}
-            n = mesh.shape[dp]
-            for d, size in enumerate(shape):
-                if d not in taken:
-                    if size % n == 0 and size >= n:
-                        out[dp] = Shard(d)
-                    break
+        if self.param_sharding != "shard":
+            return tuple(out)
+        n = mesh.shape[dp]
+        split = {i: p.dim for i, p in enumerate(placements) if i != dp and _is_split(p)}
+        free = [d for d in range(len(shape)) if d not in split.values()]
+        if free:
+            if shape[free[0]] % n == 0 and shape[free[0]] >= n:
+                out[dp] = Shard(free[0])
+            return tuple(out)
+        for d, size in enumerate(shape):
+            axes = [i for i, dim in split.items() if dim == d]
+            block = size // math.prod(mesh.shape[i] for i in axes)
+            if block % n == 0 and block >= n:
+                factor = math.prod(mesh.shape[i] for i in axes if i > dp)
+                out[dp] = Shard(d) if factor == 1 else _torch.strided_shard(d, factor)
+                break
         return tuple(out)
 
     # -- passes ------------------------------------------------------------------------------
@@ -202,6 +224,33 @@ def _path(node: fx.Node) -> str:
     return node.meta.get("sharded_path", node.name)
 
 
+# NOTE [A broadcast to the batch's shape]
+# The backward of a loss that sums over the batch without reading anything per
+# example (``logits.sum()``, ``x.mean()``: FSDP2's test loss) starts from ``ones``
+# broadcast to the summed value's shape: an expand of a replicated scalar, so
+# replicated too. Left so, every rank computed the whole batch's gradient through the
+# layers until it met the batch, and where it met a parameter shard first (the tied
+# head's ``grad @ wte``) it became a pending sum of an activation's shape, reduced over
+# the axis as if it were state and gathered again (FSDP2's 3-layer Transformer at 2
+# ranks: a [4, 16, 16] gradient). An expand of a replicated value to the shape of a
+# batch value seen before, broadcast along that value's batch dim, is split there
+# instead: a slice of this rank's examples, no communication; the batch value's shape
+# must name one batch dim (a shape with the batch on two different dims is left as it
+# is).
+
+# NOTE [A gradient takes its parameter's layout]
+# A pending sum is reduced to the layout of the state it meets: where its reader
+# combines it with state of its shape (the parameter beside it in a fused or foreach
+# optimizer's lists, the parameter it is added to), to that state's placements on
+# every axis, slicing first where the sum is replicated over another axis and the
+# state split (no communication; the reductions then move only this rank's slice);
+# else to the state layout of its shape. The gradient of a table split over "tp" on its
+# rows, which the backward leaves replicated over "tp" (FSDP2's 2-D test checks the
+# same of its position embedding), was reduce-scattered to P("dp") from its own
+# placements and then moved to the parameter's P("tp", "dp") before the optimizer: an
+# all-to-all (on gloo an all-gather), and a plan that Mesh.abstract could not lower.
+
+
 class _DataParallelPolicy(LayoutPolicy):
     """NOTE [Batch-dim analysis]."""
 
@@ -211,6 +260,7 @@ class _DataParallelPolicy(LayoutPolicy):
         self.dp = dp
         self.batch: set[fx.Node] = set(batch_inputs)   # values that hold the batch split
         self._reads_batch = False                     # does the current op read the batch?
+        self._batch_dims: dict[tuple, set[int]] = {}  # shape of a batch value -> its batch dims
 
     # -- kinds -----------------------------------------------------------------------------
     def is_batch(self, ex, node) -> bool:
@@ -227,8 +277,8 @@ class _DataParallelPolicy(LayoutPolicy):
         batch_args = {}       # id of the local tensor the op gets -> the batch input node
         dts = [a for a in _tensors((args, kwargs)) if isinstance(a, DTensor)]
         partial = [a for a in dts if _has_partial(a)]
-        travels = bool(partial) and _travels(target, dts, partial)
-        meets_state = any(isinstance(self._dp(a), Shard) and id(a) not in batch_vals
+        travels = bool(partial) and _travels(target, args, dts, partial)
+        meets_state = any(_is_split(self._dp(a)) and id(a) not in batch_vals
                           and not _has_partial(a) for a in dts)
 
         def fix(a):
@@ -236,15 +286,18 @@ class _DataParallelPolicy(LayoutPolicy):
                 return a
             source = batch_vals.get(id(a))
             if _has_partial(a) and not travels:
-                # reduced where its consumer needs it: onto the state shards the
-                # optimizer runs on, else replicated
-                shard = meets_state and not batch_vals
-                a = self._reduce(ex, a, self._state_dp(a) if shard else Replicate())
+                # reduced where its consumer needs it: onto the layout of the state it
+                # meets (the shards the optimizer runs on), else replicated
+                if meets_state and not batch_vals:
+                    peers = [b for b in dts if id(b) not in batch_vals]
+                    a = self._reduce(ex, a, *self._state_layout(a, peers))
+                else:
+                    a = self._reduce(ex, a, (Replicate(),) * len(a.placements))
             elif batch_vals and _torch.is_partial(self._dp(a)):
-                a = self._reduce(ex, a, Replicate(), others=False)
+                a = self._reduce(ex, a, (Replicate(),) * len(a.placements), others=False)
             if source is not None:
                 batch_args[id(_torch.local_tensor(a))] = (source, a)
-            elif batch_vals and isinstance(self._dp(a), Shard):
+            elif batch_vals and _is_split(self._dp(a)):
                 a = self._gather(ex, a)                    # gather state before use
             return a
 
@@ -255,10 +308,12 @@ class _DataParallelPolicy(LayoutPolicy):
 
     def after_node(self, ex, node, result):
         if node.op == "placeholder":
+            if node in self.batch and isinstance(result, DTensor):
+                self._add_batch(node, result)
             return result
         if node.op == "call_function" and node.target is operator.getitem:
             if node.args[0] in self.batch and isinstance(result, DTensor) and isinstance(self._dp(result), Shard):
-                self.batch.add(node)
+                self._add_batch(node, result)
             return result
         if node.op != "call_function":
             return result
@@ -268,11 +323,13 @@ class _DataParallelPolicy(LayoutPolicy):
             reads = self._reads_batch
         self._reads_batch = False
         if reads and any(isinstance(self._dp(v), Shard) for v in _tensors(result) if isinstance(v, DTensor)):
-            self.batch.add(node)
-        if isinstance(result, DTensor) and _has_partial(result) and reduce_where_produced(node):
-            # reduced once, where produced (NOTE [Batch-dim analysis])
-            target = self._state_dp(result)
-            return self._reduce(ex, result, target)
+            self._add_batch(node, result)
+        elif node.target is _EXPAND and isinstance(result, DTensor):
+            result = self._split_broadcast(ex, node, result)
+        if isinstance(result, DTensor) and _has_partial(result) and _reduced_by_readers(node, result):
+            # reduced once, where produced (NOTE [Batch-dim analysis]), to the layout
+            # of the state its readers combine it with
+            return self._reduce(ex, result, *self._state_layout(result, self._peers(ex, node)))
         return result
 
     def output_placements(self, ex, index, value, spec):
@@ -287,17 +344,82 @@ class _DataParallelPolicy(LayoutPolicy):
         return self.mode.state_placements(value.shape, reduced, self.mesh, self.dp)
 
     # -- helpers -------------------------------------------------------------------------------
-    def _state_dp(self, value):
-        others = [Replicate() if _torch.is_partial(p) else p for p in value.placements]
-        return self.mode.state_placements(value.shape, others, self.mesh, self.dp)[self.dp]
+    def _add_batch(self, node, value) -> None:
+        self.batch.add(node)
+        for v in _tensors(value):
+            if isinstance(v, DTensor) and isinstance(self._dp(v), Shard):
+                self._batch_dims.setdefault(tuple(v.shape), set()).add(self._dp(v).dim)
 
-    def _reduce(self, ex, a, dp_target, others: bool = True):
-        """``a`` with its pending sums done: over the axis to ``dp_target``, over the
-        other axes (if ``others``) to Replicate."""
+    def _split_broadcast(self, ex, node, value):
+        """NOTE [A broadcast to the batch's shape]: ``value`` (an expand) split on the
+        batch dim where it has the shape of a batch value and broadcasts along that dim."""
+        dims = self._batch_dims.get(tuple(value.shape), set())
+        if len(dims) != 1 or not isinstance(self._dp(value), Replicate):
+            return value
+        d = next(iter(dims))
+        src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        lead = value.ndim - (src.ndim if isinstance(src, torch.Tensor) else 0)
+        if src is not None and d >= lead and src.shape[d - lead] != 1:
+            return value              # not broadcast along the batch dim: a copy per example
+        self.batch.add(node)
+        return self._with_dp(ex, value, Shard(d))      # a slice of this rank's examples
+
+    def _state_layout(self, value, peers) -> tuple[tuple, bool]:
+        """The layout a pending sum ``value`` is reduced to (NOTE [A gradient takes
+        its parameter's layout]), and whether it is a peer's: that of the first state in
+        ``peers`` (values its reader combines it with) of its shape that it can reach
+        without moving a split, else the state layout of its shape given its own other
+        axes."""
+        for peer in peers:
+            if (isinstance(peer, DTensor) and peer.shape == value.shape and not _has_partial(peer)
+                    and all(_torch.is_partial(p) or isinstance(p, Replicate) or p == q
+                            for p, q in zip(value.placements, peer.placements))):
+                return tuple(peer.placements), True
+        others = [Replicate() if _torch.is_partial(p) else p for p in value.placements]
+        return self.mode.state_placements(value.shape, others, self.mesh, self.dp), False
+
+    def _peers(self, ex, node) -> list:
+        """The values that ``node``'s readers combine it with: their other arguments,
+        and for a multi-tensor op (a foreach or fused optimizer) the same element of
+        their other lists. Batch values are no peers."""
+        out = []
+        for u in node.users:
+            if u.op != "call_function":
+                continue
+            args = [*u.args, *u.kwargs.values()]
+            lists = [a for a in args if isinstance(a, (list, tuple))]
+            for a in args:
+                if a is node:
+                    out += [b for b in args if isinstance(b, fx.Node) and b is not node]
+                elif isinstance(a, (list, tuple)) and node in a:
+                    i = a.index(node)
+                    out += [b[i] for b in lists if b is not a and len(b) > i and isinstance(b[i], fx.Node)]
+        return [ex.env[b] for b in out if b in ex.env and b not in self.batch]
+
+    def _reduce(self, ex, a, target, slice_: bool = False, others: bool = True):
+        """``a`` with its pending sums done, to ``target``'s placements: over the axis,
+        and (if ``others``) over the other axes. With ``slice_`` (``target`` is the
+        layout of the state ``a`` meets), a replicated axis that ``target`` splits is
+        sliced first (no communication), so the reductions move only this rank's
+        slice."""
         pls = list(a.placements)
         for i, p in enumerate(pls):
-            if _torch.is_partial(p) and (i == self.dp or others):
-                pls[i] = dp_target if i == self.dp else Replicate()
+            if slice_ and (i == self.dp or others) and isinstance(p, Replicate) \
+                    and not isinstance(target[i], Replicate):
+                pls[i] = target[i]
+        a = ex.redistribute(a, pls)
+        pending = [i for i, p in enumerate(pls) if (i == self.dp or others) and _torch.is_partial(p)]
+        for i in pending:
+            pls[i] = target[i]
+        if len(pending) == len(pls) > 1 and all(
+                _torch.is_plain_partial(p) and p.reduce_op == "sum" for p in a.placements) \
+                and all(isinstance(p, Replicate) for p in pls):
+            group = _torch.mesh_group(self.mesh.device_mesh)
+            if group is not None:
+                # NOTE [One reduction over every mesh axis]: one all-reduce, not one per axis
+                local = _torch.local_tensor(a).contiguous()
+                out = _F.wait_tensor.default(_F.all_reduce.default(local, "sum", group))
+                return ex.globals_of([out], [tuple(pls)], [a.shape])[0]
         return ex.redistribute(a, pls)
 
     def _with_dp(self, ex, a, placement):
@@ -311,7 +433,7 @@ class _DataParallelPolicy(LayoutPolicy):
         and two views, where DTensor's own gather of dim d cuts the result into one
         piece per rank and concatenates them (a 128-way axis: 128 slices to trace)."""
         d = self._dp(a).dim
-        if d == 0:
+        if d == 0 or not isinstance(self._dp(a), Shard):      # (a _StridedShard: as it is)
             return self._with_dp(ex, a, Replicate())
         return self._with_dp(ex, a.movedim(d, 0), Replicate()).movedim(0, d)
 
@@ -357,19 +479,55 @@ def _spec(placements, mesh, ndim):
         return tuple(placements)
 
 
+def _is_split(placement) -> bool:
+    """Shard, or DTensor's _StridedShard (NOTE [Axes out of mesh order])."""
+    return isinstance(placement, Shard) or _torch.split_factor(placement) is not None
+
+
 def _has_partial(x) -> bool:
     return any(_torch.is_partial(p) for p in x.placements)
 
 
-def _travels(target, dts, partial) -> bool:
+def _travels(target, args, dts, partial) -> bool:
     """May the pending sums stay pending through this op (NOTE [Where a pending
     reduction may travel])?"""
     packet = target.overloadpacket
     masked = any(not _torch.is_plain_partial(p) for a in partial for p in a.placements
                  if _torch.is_partial(p))
-    if packet not in _LINEAR_IN_PARTIAL or masked:
+    if masked:
+        return False
+    if target is _EMBEDDING_BACKWARD:
+        return len(partial) == 1 and partial[0] is args[0] and _table_no_larger(args)
+    if packet not in _LINEAR_IN_PARTIAL:
         return False
     return packet not in _ADDITIVE or len(partial) == len(dts)
+
+
+# NOTE [A pending sum through an embedding's backward]
+# embedding_dense_backward(grad, ids, rows, ...) is linear in ``grad``: a pending sum
+# may be reduced before it or after it, on the table's gradient. After it, where that
+# is no larger (a position table looked up by positions: grad and table both
+# [seq, d]), the table's gradient is reduced once, to its parameter's layout, as FSDP
+# reduces the gradient it computed on its own examples. Reduced before it, it was
+# reduced twice: the [seq, d] grad to the state layout of its shape (a reduce-scatter),
+# and the table's gradient again. Where the table is larger (a vocabulary under a
+# tensor-parallel pending sum), the grad is reduced first. Not with
+# scale_grad_by_freq, whose counts are of this rank's ids.
+_EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
+
+
+def _table_no_larger(args) -> bool:
+    grad, rows, by_freq = args[0], args[2], args[4]
+    return not by_freq and rows * grad.shape[-1] <= grad.numel()
+
+
+def _reduced_by_readers(node, value) -> bool:
+    """Would every reader of ``node`` (a pending sum) reduce it (NOTE [Where a pending
+    reduction may travel]), an embedding's backward only where the table is larger?"""
+    if not reduce_where_produced(node):
+        return False
+    return not all(u.target is _EMBEDDING_BACKWARD and u.args[0] is node and len(node.users) == 1
+                   and _table_no_larger((value, *u.args[1:])) for u in node.users)
 
 
 def _tensors(tree):

@@ -18,7 +18,7 @@ class CollectiveCall:
     kind: str              # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast
     shape: tuple           # shape of the input on this rank
     dtype: torch.dtype
-    axis: str              # mesh axis (or axes) it runs over, else the group name
+    axis: str | tuple      # mesh axis it runs over (every axis: their tuple), else the group name
     reduce_op: str | None  # "sum", "avg", ... for reductions
     bytes: int             # the larger of its input and output on this rank
     node: str = ""
@@ -47,6 +47,8 @@ def collectives(gm: fx.GraphModule, mesh=None) -> list[CollectiveCall]:
         res = n.meta.get("val")
         group = n.args[-1]
         axis = (mesh.axis_of_group(group) if mesh is not None else None) or group
+        if mesh is not None and axis == group and group == _torch.mesh_group(mesh.device_mesh):
+            axis = tuple(mesh.axis_names)       # NOTE [One reduction over every mesh axis]
         reduce_op = n.args[1] if kind in ("all_reduce", "reduce_scatter") else None
         size = _torch.group_from_name(group).size() if isinstance(group, str) else 1
         full = max(_nbytes(inp), _nbytes(res))
