@@ -22,7 +22,8 @@ that hole:
   the per-call agreement (sharded/sync.py, NOTE [Agreement on every call]): the same one
   all-reduce as before, so ranks whose plain inputs are equal pay only the hashing
   (CRC-32 over the bytes on CPU, about 4 GB/s: 3 us for a (8, 64) int64 batch; on
-  another device two weighted sums on the device and one 16-byte copy per call). Ranks whose values differ all raise ``RankMismatchError``,
+  another device two weighted sums computed there, and one copy of 16 bytes per
+  tensor to the host per call, which waits for the work queued on the device). Ranks whose values differ all raise ``RankMismatchError``,
   naming the input and pointing to ``from_local_data``, before any of them
   communicates. It runs on every call, so a loader that starts to hand out per-rank
   batches at step 1000 is caught at step 1000.
@@ -104,21 +105,26 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().reshape(-1).view(torch.uint8)
 
 
-_MULTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_CHUNK = 1 << 20          # 8-byte words per step of the device digest (8 MiB)
 
 
-def _device_sum(x: torch.Tensor) -> torch.Tensor:
-    """Two int64 weighted sums of ``x``'s bytes, computed on its device (integer sums
-    wrap alike in any order: the same on every device and run)."""
-    b = _bytes(x).to(torch.int64)
-    key = (b.device, b.numel())
-    if key not in _MULTS:
-        if len(_MULTS) > 64:
-            _MULTS.clear()
-        i = torch.arange(b.numel(), dtype=torch.int64, device=b.device)
-        _MULTS[key] = (i * 0x1E3779B97F4A7C15 % (1 << 61) + 1, (i * i) % 1000003 + i % 7919 + 1)
-    m1, m2 = _MULTS[key]
-    return torch.stack([(b * m1).sum(), ((b + 1) * (b + 3) * m2).sum()])
+def _device_sum(x: torch.Tensor, chunk: int = _CHUNK) -> torch.Tensor:
+    """Two int64 weighted sums of ``x``'s bytes taken as 8-byte words, computed on its
+    device ``chunk`` words at a time (the weights made from the word's index: nothing
+    cached, a few chunk-sized temporaries). Integer sums wrap alike in any order: the
+    same on every device and in every run."""
+    b = _bytes(x)
+    pad = (-b.numel()) % 8
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad)])
+    words = b.view(torch.int64)
+    total = torch.zeros(2, dtype=torch.int64, device=words.device)
+    for lo in range(0, words.numel(), chunk):
+        w = words[lo:lo + chunk]
+        i = torch.arange(lo, lo + w.numel(), dtype=torch.int64, device=w.device)
+        total[0] += (w * (i * 0x1E3779B97F4A7C15 + 0x2545F4914F6CDD1D)).sum()
+        total[1] += ((w ^ (w >> 29)) * (i * 0x27D4EB2F165667C5 + 0x165667B19E3779F9)).sum()
+    return total
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,6 +177,22 @@ def from_local_data(local, spec: P | None = None, mesh: Mesh | None = None, *, c
       ``check=False`` skips it: no communication at all.
     """
     mesh = current_mesh(mesh, "from_local_data")
+    if not check:
+        return _global_values(local, spec, mesh)[0]
+    mesh.require_ranks("from_local_data")
+    try:
+        tree, pieces = _global_values(local, spec, mesh)
+    except Exception as e:  # noqa: BLE001 - the other ranks wait in the check: tell them
+        _check_pieces(e, mesh, "")
+        raise
+    structure = f"{_tree.flatten(local)[1]}, " + (
+        ", ".join(f"{path} as {sp!r}" for path, sp, _ in pieces) or "no tensors")
+    _check_pieces(pieces, mesh, structure)
+    return tree
+
+
+def _global_values(local, spec, mesh: Mesh):
+    """(``local`` with each tensor leaf made its global DTensor, [(path, spec, piece)])."""
     leaves, treedef = _tree.flatten(local)
     paths = _tree.leaf_paths(local, "local")
     matched = _tree.broadcast_prefix(P() if spec is None else spec, local, "from_local_data spec")
@@ -187,9 +209,11 @@ def from_local_data(local, spec: P | None = None, mesh: Mesh | None = None, *, c
             )
         sp = P() if sp is None else sp
         if not isinstance(sp, P):
-            raise TypeError(f"from_local_data {spath}: expected a P, got {sp!r}.")
-        where = f"from_local_data {spath} (for {lpath})"
-        # the entries, axis names and their order (a size-0 shape: every split divides it)
+            raise TypeError(f"{spath}: expected a P, got {sp!r}.")
+        where = f"{spath} (for {lpath})"
+        if len(sp) > leaf.ndim:
+            check_spec(sp, leaf.shape, mesh, where)          # (raises: too many entries)
+        # the axis names and their order (a size-0 shape: every split divides it)
         check_spec(sp, [0] * leaf.ndim, mesh, where)
         gshape = [n * mesh.size(list(axes_of_dim(sp, d))) if axes_of_dim(sp, d) else n
                   for d, n in enumerate(leaf.shape)]
@@ -198,9 +222,7 @@ def from_local_data(local, spec: P | None = None, mesh: Mesh | None = None, *, c
         out.append(DTensor.from_local(
             piece, mesh.device_mesh, to_placements(sp, mesh), run_check=False,
             shape=torch.Size(gshape), stride=_contiguous_strides(gshape)))
-    if check:
-        _check_pieces(pieces, mesh)
-    return _tree.unflatten(treedef, out)
+    return _tree.unflatten(treedef, out), pieces
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -211,23 +233,48 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _check_pieces(pieces: list, mesh: Mesh) -> None:
-    """Every rank's piece shapes and dtypes equal, and equal values where ranks share
-    a block (``from_local_data``'s ``check``); one all-gather of a few bytes per piece
-    over the agreement's group."""
-    mesh.require_ranks("from_local_data")
+def _check_pieces(pieces, mesh: Mesh, structure: str) -> None:
+    """Every rank's pytree, piece shapes and dtypes equal, and equal values where ranks
+    share a block (``from_local_data``'s ``check``); one all-gather of a few bytes per
+    piece over the agreement's group. ``pieces``: this rank's [(path, spec, piece)], or
+    the exception that stopped it before the check (every rank then raises: the
+    others never wait for it)."""
     group = sync.group_for(mesh)
-    if group is None or not pieces:
+    if group is None:
         return
-    digests = value_digests([p for _, _, p in pieces])
-    coord = mesh.coordinate()
-    mine = [(tuple(p.shape), str(p.dtype).replace("torch.", ""), d,
-             tuple(c for c, a in zip(coord, mesh.axis_names) if a in sp.axes()))
-            for (_, sp, p), d in zip(pieces, digests)]
+    me = dist.get_rank()
+    if isinstance(pieces, BaseException):
+        payload: tuple = (me, "error", f"{type(pieces).__name__}: {pieces}")
+    else:
+        try:
+            digests = value_digests([p for _, _, p in pieces])
+        except Exception as e:  # noqa: BLE001 - the other ranks wait in the check
+            _check_pieces(e, mesh, "")
+            raise
+        coord = mesh.coordinate()
+        mine = [(tuple(p.shape), str(p.dtype).replace("torch.", ""), d,
+                 tuple(c for c, a in zip(coord, mesh.axis_names) if a in sp.axes()))
+                for (_, sp, p), d in zip(pieces, digests)]
+        payload = (me, "ok", structure, mine)
     with sync.peer_failures("from_local_data"):
-        gathered = sync.all_gather_objects((dist.get_rank(), mine), group)
+        gathered = sync.all_gather_objects(payload, group)
+    failed = [g for g in gathered if g[1] == "error"]
+    if failed:
+        if isinstance(pieces, BaseException):
+            return                                   # (the caller raises its own)
+        r, _, err = failed[0]
+        raise sync.RankFailedError(
+            f"from_local_data: rank {r} failed before the check of the pieces, so rank {me} "
+            f"stops too:\n  {err}", rank=r, error=err)
+    r0, _, structure0, _ = gathered[0]
+    for r, _, structure_r, _ in gathered[1:]:
+        if structure_r != structure0:
+            raise ValueError(
+                f"from_local_data: rank {r0} and rank {r} gave pieces of different pytree "
+                f"structures or specs:\n  rank {r0}: {structure0}\n  rank {r}: {structure_r}\n"
+                f"Every rank must give the same structure and specs (with its own values).")
     for k, (lpath, sp, _) in enumerate(pieces):
-        by_rank = [(r, m[k]) for r, m in gathered]
+        by_rank = [(g[0], g[3][k]) for g in gathered]
         r0, (shape0, dtype0, _, _) = by_rank[0]
         for r, (shape, dtype, _, _) in by_rank[1:]:
             if (shape, dtype) != (shape0, dtype0):

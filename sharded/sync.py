@@ -260,7 +260,8 @@ def _values_differ(api: str, gathered) -> str:
             if a != b:
                 return (
                     f"{api}: {path} is a plain tensor whose values differ across ranks (rank "
-                    f"{ref[1]} and rank {p[1]} hold different values). A plain tensor input "
+                    f"{ref[1]} and rank {p[1]} hold different values, compared bitwise). A "
+                    f"plain tensor input "
                     f"is one global value, the same on every rank; each rank takes its block "
                     f"of it. For data that each rank loads on its own (a DataLoader with a "
                     f"DistributedSampler), build the global batch with "

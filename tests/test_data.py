@@ -44,6 +44,8 @@ def test_the_device_digest_is_deterministic_and_tells_values_apart():
     y = x.clone()
     y[10, 7] += 1
     assert not torch.equal(_device_sum(y), a)
+    assert torch.equal(_device_sum(x, chunk=7), a)            # chunks sum alike
+    assert not torch.equal(_device_sum(x.flatten()[:-1]), _device_sum(x.flatten()[1:]))
     z = x.clone()
     z[0, 0], z[0, 1] = x[0, 1], x[0, 0]                     # a swap: the same bytes, moved
     assert x[0, 0] == x[0, 1] or not torch.equal(_device_sum(z), a)
@@ -63,7 +65,7 @@ def test_from_local_data_errors():
     mesh = Mesh((1,), ("dp",))
     with pytest.raises(ValueError, match=r"from_local_data spec \(for local\) is P\('tp'\), which names mesh axis 'tp', but the mesh has axes \('dp',\)"):
         from_local_data(torch.ones(2), P("tp"), mesh)
-    with pytest.raises(ValueError, match=r"has 2 entries, but the tensor has 1 dims"):
+    with pytest.raises(ValueError, match=r"from_local_data spec \(for local\) is P\('dp', None\), which has 2 entries, but the tensor has 1 dims \(shape \(2,\)\)"):
         from_local_data(torch.ones(2), P("dp", None), mesh)
     with pytest.raises(TypeError, match=r"from_local_data: local is already a DTensor"):
         from_local_data(from_local_data(torch.ones(2), P(), mesh), P(), mesh)
@@ -190,6 +192,26 @@ def _differing_plain(mode_name, where, call_at):
     return err
 
 
+def _captured_differs():
+    """A tensor the function closes over is one global value too: a per-rank one
+    (more than 16 elements: only its digest is in the program) stops every rank."""
+    mesh = Mesh((2,), ("dp",))
+    t = torch.arange(32.0) + torch.distributed.get_rank()
+    f = pjit(lambda x: x * t, in_specs=P("dp"), out_specs=P("dp"), mesh=mesh)
+    try:
+        f(torch.ones(32))
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_captured_tensors_that_differ_stop_every_rank():
+    for err in ranks.run(2, _captured_differs):
+        assert err is not None, "a per-rank captured tensor ran silently"
+        assert err[0] == "RankMismatchError"
+        assert "_tensor_constant0: constant float32[32] with values" in err[1]
+
+
 def dist_world():
     return torch.distributed.get_world_size()
 
@@ -208,7 +230,7 @@ def test_plain_inputs_whose_values_differ_fail_on_every_rank_in_every_mode():
             assert err is not None, f"{case}: a per-rank batch ran silently"
             name, msg = err
             assert name == "RankMismatchError", (case, err)
-            assert "args[1] is a plain tensor whose values differ across ranks (rank 0 and rank 1 hold different values)" in msg, (case, msg)
+            assert "args[1] is a plain tensor whose values differ across ranks (rank 0 and rank 1 hold different values, compared bitwise)" in msg, (case, msg)
             assert "sharded.from_local_data(local_batch, spec, mesh)" in msg
 
 
@@ -257,6 +279,17 @@ def _from_local_data_checks():
             out[name] = None
         except ValueError as e:
             out[name] = str(e)
+    # a rank that fails before the check (a bad spec on rank 3 only) stops every rank,
+    # none waits; ranks whose pytrees differ all raise
+    for name, piece, spec in [
+        ("one_rank_fails", torch.zeros(2, 3), P("zz") if r == 3 else P("dp")),
+        ("structure", {"a": torch.zeros(2, 3), **({"b": torch.zeros(2)} if r == 1 else {})}, P("dp")),
+    ]:
+        try:
+            from_local_data(piece, spec, mesh)
+            out[name] = None
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {e}"
     # check=False: no communication, no check
     out["unchecked"] = tuple(from_local_data(torch.full((2, 3), float(r)), P("dp"), mesh,
                                              check=False).shape)
@@ -264,7 +297,8 @@ def _from_local_data_checks():
 
 
 def test_from_local_data_on_a_2x2_mesh():
-    for out in ranks.run(4, _from_local_data_checks):
+    outs = ranks.run(4, _from_local_data_checks)
+    for out in outs:
         torch.testing.assert_close(out["global"], torch.tensor([0.0, 0.0, 1.0, 1.0])[:, None].expand(4, 3))
         torch.testing.assert_close(out["both"], torch.arange(4.0)[:, None].expand(4, 3))
         assert out["specs"] == (P("dp"), P(("dp", "tp")), (Shard(0), Replicate()))
@@ -274,3 +308,7 @@ def test_from_local_data_on_a_2x2_mesh():
         assert "from_local_data: ranks 0 and 1 share the block of local laid out as P('dp')" in out["shared"]
         assert "mesh axes ('tp',)" in out["shared"]
         assert out["unchecked"] == (4, 3)
+        assert "structure" in out and "gave pieces of different pytree structures or specs" in out["structure"]
+    assert out["one_rank_fails"].startswith("ValueError: from_local_data spec (for local) is P('zz')")
+    for out in outs[:3]:
+        assert out["one_rank_fails"].startswith("RankFailedError: from_local_data: rank 3 failed before the check of the pieces")

@@ -1466,8 +1466,13 @@ def program_lines(gm: fx.GraphModule) -> list[str]:
         elif n.op == "get_attr":
             t = getattr(gm, n.target, None)
             text = f"{n.name}: constant {shape or _fmt_val(t)}"
-            if isinstance(t, torch.Tensor) and t.numel() <= 16 and not _torch.is_tracing_tensor(t):
-                text += f" = {t.detach().cpu().flatten().tolist()}"
+            if isinstance(t, torch.Tensor) and not _torch.is_tracing_tensor(t):
+                # a captured tensor is one global value too (NOTE [Per-rank data]): its
+                # values, or their digest, are part of the program the ranks compare
+                if t.numel() <= 16:
+                    text += f" = {t.detach().cpu().flatten().tolist()}"
+                else:
+                    text += f" with values {value_digests([t])[0]:016x}"
             out.append(text)
         elif n.op == "output":
             out.append(f"output {[_fmt_val(a.meta.get('val')) if isinstance(a, fx.Node) else repr(a) for a in n.args[0]]}")
