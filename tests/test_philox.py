@@ -1,6 +1,5 @@
 import math
 import random
-import time
 
 import pytest
 import torch
@@ -194,17 +193,3 @@ def test_cuda_matches_cpu():
         assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu)
     kat = philox4x32(torch.tensor([KATS[2][0]]).cuda(), torch.tensor([KATS[2][1]]).cuda())
     assert kat.tolist() == [KATS[2][2]]
-
-
-def test_timing_report():
-    n = 1_000_000
-    idx = torch.arange(n)
-    uniform(0, 0, idx)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        uniform(0, 0, idx)
-    t1 = time.perf_counter()
-    for _ in range(3):
-        torch.rand(n)
-    t2 = time.perf_counter()
-    print(f"\nphilox uniform 1e6: {(t1 - t0) / 3 * 1e3:.1f} ms; torch.rand 1e6: {(t2 - t1) / 3 * 1e3:.2f} ms")
