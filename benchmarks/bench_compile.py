@@ -21,6 +21,25 @@ single-threaded Python, so CPU time is the number that does not depend on how
 oversubscribed the machine is. The ratio ``lower / make_fx (rank)`` compares like
 with like (make_fx on the ranks is the mean of a run just before and just after). Writes
 ``benchmarks/results/compile.json``.
+
+    python benchmarks/bench_compile.py --abstract     # one process, Mesh.abstract((2, 2))
+    python benchmarks/bench_compile.py --inductor     # inductor's compile of gpt-tiny, cold and warm
+
+``--abstract`` lowers the same step in this one process on ``Mesh.abstract((dp, tp),
+("dp", "tp"))`` (rank 0's program; nothing communicates), with ``DTensorExpandMode``
+(Megatron ``tp_specs``, batch over dp) and ``DataParallelMode("shard")`` (the same
+specs, state sharded over dp too), against plain ``make_fx``: ``--rounds`` rounds of
+the three, each lower a fresh function (no cache hit); CPU seconds, split into trace,
+partition and passes by the same timers as above (CPU), and the wall seconds
+``Lowered.compile_times()`` reports for those stages. Writes
+``benchmarks/results/compile_abstract.json``.
+
+``--inductor`` times inductor's compile of the gpt-tiny train step (d 128, 2 layers,
+batch 8 x 64; ``DataParallelMode("shard", compile=True)`` on a one-rank mesh, one
+process): ``Lowered.compile_times()["inductor"]`` (the compile with its first run) in
+a fresh process with an empty ``TORCHINDUCTOR_CACHE_DIR`` (cold), then in two more
+fresh processes on that cache (warm). Writes
+``benchmarks/results/compile_inductor.json``.
 """
 
 from __future__ import annotations
@@ -98,10 +117,12 @@ def plain_make_fx(a, tiny: bool = False) -> tuple[float, float, int]:
 class _Timers:
     """Wraps pjit's pipeline stages with timers (benchmark-side monkeypatching only)."""
 
-    def __init__(self):
+    def __init__(self, mode_cls=None):
         import transforms  # noqa: F401
         pj = sys.modules["transforms.pjit"]  # (transforms.pjit the attribute is the function)
         from sharded.modes import DTensorExpandMode
+
+        DTensorExpandMode = mode_cls or DTensorExpandMode  # noqa: N806 (the mode's class)
 
         self.t = {"trace": 0.0, "partition": 0.0, "passes": 0.0, "fingerprint": 0.0}
         self.cpu = dict(self.t)
@@ -190,7 +211,114 @@ def _rank_main(a: dict) -> dict:
     return out
 
 
+# -- --abstract: one process, Mesh.abstract ----------------------------------------------------
+
+def _abstract(a: dict, rounds: int) -> dict:
+    from sharded import Mesh, P
+    from sharded.modes import DataParallelMode, DTensorExpandMode
+    from transforms import pjit
+
+    dp, tp = a["mesh"]
+    mesh = Mesh.abstract((dp, tp), ("dp", "tp"), rank=0)
+    modes = {"DTensorExpandMode": DTensorExpandMode,
+             "DataParallelMode('shard')": lambda: DataParallelMode("shard")}
+
+    def lower(mode, tiny=False):
+        cfg, params, opt, ids, tgt = _inputs(a if not tiny else {**a, "layers": 1}, tiny)
+        ps = gpt.tp_specs(params)
+        # a fresh function each time (pjit's cache is keyed on it); CPU seconds per
+        # stage from the benchmark-side timers, wall seconds from compile_times()
+        m = mode()
+        timers = _Timers(type(m))
+        f = pjit(lambda *xs: gpt.train_step(*xs), in_specs=(ps, gpt.opt_specs(ps), P("dp"), P("dp")),
+                 out_specs=(ps, gpt.opt_specs(ps), P()), mesh=mesh, static_argnums=(4,),
+                 mode=m)
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            low = f.lower(params, opt, ids, tgt, cfg)
+        finally:
+            timers.restore()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return {"s": wall, "cpu_s": cpu, "stages_s": low.compile_times(),
+                "stages_cpu_s": dict(timers.cpu),
+                "global_nodes": len(low.global_graph.graph.nodes),
+                "local_nodes": len(low.local_graph.graph.nodes),
+                "collectives": {k: v["count"] for k, v in low.cost().items() if k != "total"}}
+
+    plain_make_fx({**a, "layers": 1}, tiny=True)       # warm-up: one-time costs
+    for mode in modes.values():
+        lower(mode, tiny=True)
+    runs: dict = {"make_fx": [], **{name: [] for name in modes}}
+    for _ in range(rounds):                             # interleaved: load hits all alike
+        s, cpu, nodes = plain_make_fx(a)
+        runs["make_fx"].append({"s": s, "cpu_s": cpu, "nodes": nodes})
+        for name, mode in modes.items():
+            runs[name].append(lower(mode))
+    med = {k: statistics.median(r["cpu_s"] for r in v) for k, v in runs.items()}
+    print(f"one process, Mesh.abstract(({dp}, {tp}), ('dp', 'tp')), rank 0; "
+          f"{rounds} rounds, median CPU s (min..max):")
+    for k, v in runs.items():
+        cpus = [r["cpu_s"] for r in v]
+        line = f"  {k:<28}{med[k]:6.2f} ({min(cpus):.2f}..{max(cpus):.2f})"
+        if k != "make_fx":
+            st = {s: statistics.median(r["stages_cpu_s"][s] for r in v) for s in ("trace", "partition", "passes")}
+            line += (f"  {med[k] / med['make_fx']:.2f}x make_fx; stages (CPU s) "
+                     + ", ".join(f"{s} {t:.2f}" for s, t in st.items())
+                     + f"; local graph {v[0]['local_nodes']} nodes, collectives {v[0]['collectives']}")
+        print(line)
+    return {"runs": runs, "median_cpu_s": med,
+            "ratio_over_make_fx_cpu": {k: med[k] / med["make_fx"] for k in modes}}
+
+
+# -- --inductor: inductor's compile of gpt-tiny, cold and warm ------------------------------------
+
+def _inductor_child() -> None:
+    """In a fresh process: lower and run the gpt-tiny step once with compile=True and
+    print Lowered.compile_times() as JSON on the last line."""
+    import json
+
+    from sharded import Mesh, P, optim
+    from sharded.modes import DataParallelMode
+    from transforms import pjit
+
+    torch.set_num_threads(1)
+    cfg = gpt.tiny(d_model=128, n_heads=4, n_layers=2, seq=64)
+    params = gpt.init_params(cfg)
+    opt = optim.adamw_init(params)
+    ids = torch.randint(0, cfg.vocab, (8, cfg.seq))
+    f = pjit(gpt.train_step, in_specs=(P(), P(), P("dp"), P("dp")), mesh=Mesh((1,), ("dp",)),
+             static_argnums=(4,), mode=DataParallelMode("shard", compile=True))
+    t0 = time.perf_counter()
+    f(params, opt, ids, ids, cfg)
+    first = time.perf_counter() - t0
+    low = f.lower(params, opt, ids, ids, cfg)
+    assert low.runner() == "inductor", low.runner()
+    print(json.dumps({**low.compile_times(), "first_call_s": first}))
+
+
+def _inductor(warm_runs: int = 2) -> dict:
+    import json
+    import subprocess
+    import tempfile
+
+    cache = tempfile.mkdtemp(prefix="bench_compile_inductor_")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": ROOT}
+    runs = []
+    for i in range(1 + warm_runs):
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--inductor-child"],
+                             env=env, capture_output=True, text=True, cwd=ROOT)
+        if out.returncode:
+            raise RuntimeError(f"inductor child failed:\n{out.stderr[-4000:]}")
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(f"  {'cold' if i == 0 else 'warm'}: inductor {runs[-1]['inductor']:.2f} s "
+              f"(trace {runs[-1]['trace']:.2f}, partition {runs[-1]['partition']:.2f}, "
+              f"passes {runs[-1]['passes']:.2f}; first call {runs[-1]['first_call_s']:.2f} s)")
+    return {"cache_dir": "fresh tempdir per benchmark run", "cold": runs[0], "warm": runs[1:]}
+
+
 def main(argv=None):
+    if argv is None and sys.argv[1:] == ["--inductor-child"]:
+        return _inductor_child()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--batch", type=int, default=2, help="global batch (sharded over dp)")
@@ -198,13 +326,39 @@ def main(argv=None):
     ap.add_argument("--mesh", default="2x2", help="dp x tp, e.g. 2x2 or 1x2")
     ap.add_argument("--matmul-attn", action="store_true")
     ap.add_argument("--skip-parent", action="store_true", help="no parent make_fx timing")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compile.json"))
+    ap.add_argument("--abstract", action="store_true",
+                    help="lower in this one process on Mesh.abstract (no ranks)")
+    ap.add_argument("--rounds", type=int, default=3, help="--abstract: rounds of the three")
+    ap.add_argument("--inductor", action="store_true",
+                    help="inductor's compile of the gpt-tiny step, cold and warm caches")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/compile.json "
+                    "(compile_abstract.json, compile_inductor.json)")
     args = ap.parse_args(argv)
     dp, tp = (int(x) for x in args.mesh.lower().split("x"))
     world = dp * tp
     a = {"layers": args.layers, "batch": args.batch, "seq": args.seq, "mesh": (dp, tp),
          "matmul_attn": args.matmul_attn}
     cfg = _cfg(a)
+    name = "compile_abstract" if args.abstract else "compile_inductor" if args.inductor else "compile"
+    args.out = args.out or os.path.join(ROOT, "benchmarks", "results", f"{name}.json")
+    common = {"benchmark": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "torch": torch.__version__, "git": git_rev(), "cpu_count": os.cpu_count()}
+    if args.inductor:
+        print("inductor's compile of the gpt-tiny train step (d 128, 2 layers, batch 8 x 64), "
+              "DataParallelMode('shard', compile=True), one-rank mesh, one process:")
+        t0 = time.perf_counter()
+        res = _inductor()
+        return write_result(args.out, {**common, **res}, f"{time.perf_counter() - t0:.0f} s")
+    if args.abstract:
+        torch.set_num_threads(1)
+        print(f"GPT-2-small shapes: d={cfg.d_model} heads={cfg.n_heads} vocab={cfg.vocab} "
+              f"layers={cfg.n_layers}; batch {args.batch} x seq {args.seq}; train step "
+              f"(grad_and_value + AdamW)")
+        t0 = time.perf_counter()
+        res = _abstract(a, args.rounds)
+        return write_result(args.out, {**common, "mesh": {"dp": dp, "tp": tp, "abstract": True},
+                                       "config": {**a, "d_model": cfg.d_model, "vocab": cfg.vocab},
+                                       **res}, f"{time.perf_counter() - t0:.0f} s")
     print(f"GPT-2-small shapes: d={cfg.d_model} heads={cfg.n_heads} vocab={cfg.vocab} "
           f"layers={cfg.n_layers}; batch {args.batch} x seq {args.seq}; train step "
           f"(grad_and_value + AdamW); mesh dp={dp} x tp={tp} ({world} ranks, "
