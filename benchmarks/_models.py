@@ -151,6 +151,118 @@ class MLPModule(nn.Module):
         return x
 
 
+# -- the optimizer of the torch rows --------------------------------------------------------------
+
+def torch_adamw(params, lr: float = 1e-3, weight_decay: float = 1e-2) -> torch.optim.AdamW:
+    """``torch.optim.AdamW(fused=True)``, the kernel ``sharded.optim.adamw`` runs in the
+    pjit rows (so that a ratio compares the step, not fused against per-tensor AdamW).
+    DTensor and plain parameters (a TP plan leaves the norms plain) go in separate
+    groups: one fused call takes one kind."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(params)
+    kinds = ([p for p in params if isinstance(p, DTensor)],
+             [p for p in params if not isinstance(p, DTensor)])
+    return torch.optim.AdamW([{"params": g} for g in kinds if g], lr=lr,
+                             weight_decay=weight_decay, fused=True)
+
+
+# -- the same-work check --------------------------------------------------------------------------
+
+# NOTE [Every row did the same work]
+# A row that computes something else than the others can be fast for that reason, and
+# its first loss (taken before any update) cannot show it. Every row of
+# bench_train_step, bench_data_parallel and bench_tp_plans runs the same number of
+# steps from the same parameters and batch (its first step at set-up, the warm-up, the
+# timed rounds), so after the timing each row's state is compared with a single-device
+# run of that many steps: the optimizer's step count (exactly), the last step's loss,
+# and float64 checksums of the parameters (sum and sum of squares), of Adam's first
+# moments (sum of squares) and of its second moments (sum). Parameter layouts differ
+# between rows (a dict, a module, shards), so the checksums are over all elements. Adam
+# is invariant to the scale of the gradients (a row with gradients 2x too large has the
+# same parameters and losses to float precision); its moments are not: 2x gradients
+# make the first moments' checksum 4x and the second's 4x. SAME_WORK_RTOL is the
+# largest relative difference allowed; rows that did the same work differ by float
+# rounding (the order of reductions), measured at 1e-6 or less over the benchmarks'
+# 24 steps; wrong rows differ by 0.1 or more (tests/test_benchmarks.py).
+SAME_WORK_RTOL = 1e-4
+
+
+class DifferentWork(AssertionError):
+    """A benchmark row whose state after its steps is not the single-device run's."""
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t      # DTensor: a collective
+
+
+def fingerprint(loss, params, exp_avg, exp_avg_sq, step) -> dict:
+    """A row's state after its steps, as numbers comparable across layouts (NOTE
+    [Every row did the same work]): ``loss`` the last step's (global) loss, the rest
+    lists of tensors (DTensors are gathered: every rank must call this in the same
+    order). The sums are taken in float64."""
+    def sums(ts):
+        ts = [_full(t).double() for t in ts]
+        return sum(float(t.sum()) for t in ts), sum(float((t * t).sum()) for t in ts)
+
+    p_sum, p_sumsq = sums(params)
+    return {"step": int(float(_full(torch.as_tensor(step)))), "loss": float(_full(torch.as_tensor(loss))),
+            "params_sum": p_sum, "params_sumsq": p_sumsq,
+            "exp_avg_sumsq": sums(exp_avg)[1], "exp_avg_sq_sum": sums(exp_avg_sq)[0]}
+
+
+def functional_fingerprint(loss, params, opt_state) -> dict:
+    """``fingerprint`` of a functional row: ``params`` a pytree, ``opt_state`` from
+    ``sharded.optim.adamw_init`` (``{"step", "m", "v"}``)."""
+    return fingerprint(loss, optree.tree_leaves(params), optree.tree_leaves(opt_state["m"]),
+                       optree.tree_leaves(opt_state["v"]), opt_state["step"])
+
+
+def optimizer_fingerprint(loss, opt: torch.optim.Optimizer) -> dict:
+    """``fingerprint`` of a row stepped by ``torch.optim.AdamW`` ``opt``."""
+    ps = [p for g in opt.param_groups for p in g["params"]]
+    steps = {int(float(_full(torch.as_tensor(opt.state[p]["step"])))) for p in ps}
+    if len(steps) != 1:
+        raise DifferentWork(f"the parameters of one optimizer took different numbers of steps: {steps}")
+    return fingerprint(loss, ps, [opt.state[p]["exp_avg"] for p in ps],
+                       [opt.state[p]["exp_avg_sq"] for p in ps], steps.pop())
+
+
+def same_work(rows: dict[str, dict], reference: dict, rtol: float = SAME_WORK_RTOL) -> dict:
+    """Compare each row's ``fingerprint`` with the single-device run's ``reference``:
+    ``{row: {"max_rel_diff": d, "failures": [text, ...]}}`` (no failures: the row did
+    the same work). Each checksum's difference is relative to the reference's
+    magnitude; the step count must be equal."""
+    out = {}
+    for row, fp in rows.items():
+        failures, worst = [], 0.0
+        if fp["step"] != reference["step"]:
+            failures.append(f"ran {fp['step']} optimizer steps, the reference {reference['step']}")
+        for key, ref in reference.items():
+            if key == "step":
+                continue
+            d = abs(fp[key] - ref) / max(abs(ref), 1e-30)
+            worst = max(worst, d)
+            if not d <= rtol:                                     # (NaN fails)
+                failures.append(f"{key} {fp[key]:.7g} vs {ref:.7g} (relative difference {d:.2g} > {rtol:g})")
+        out[row] = {"max_rel_diff": worst, "failures": failures}
+    return out
+
+
+def require_same_work(rows: dict[str, dict], reference: dict, what: str,
+                      rtol: float = SAME_WORK_RTOL) -> dict:
+    """``same_work``, raising DifferentWork naming every row that differs and how."""
+    checked = same_work(rows, reference, rtol)
+    bad = {r: c["failures"] for r, c in checked.items() if c["failures"]}
+    if bad:
+        raise DifferentWork(
+            f"{what}: {len(bad)} row(s) did different work from the single-device run of "
+            f"{reference['step']} steps (NOTE [Every row did the same work] in benchmarks/_models.py):\n"
+            + "\n".join(f"  {r}: " + "; ".join(f) for r, f in bad.items()))
+    return checked
+
+
 # -- timing ---------------------------------------------------------------------------------------
 
 def timed_interleaved(steps: dict, warmup: int, iters: int) -> dict[str, list[float]]:

@@ -7,12 +7,13 @@ a train step on local gloo ranks, side by side in one run.
 Modes (every one: forward, backward, AdamW):
 
   single     the functional step on the full batch, one process per rank (reference)
-  ddp        DistributedDataParallel(nn.Module) + torch.optim.AdamW, batch split
+  ddp        DistributedDataParallel(nn.Module) + torch.optim.AdamW(fused=True), batch split
   pjit_ddp   pjit(step, mode=DataParallelMode("replicate")), batch P("dp")
-  fsdp2      fully_shard on every block (GPT) / layer (MLP) and the root + torch.optim.AdamW
+  fsdp2      fully_shard on every block (GPT) / layer (MLP) and the root +
+             torch.optim.AdamW(fused=True)
   pjit_fsdp  pjit(step, mode=DataParallelMode("shard")), batch P("dp")
   pjit_loop  the module-style loop: pjit(loss, mode=DataParallelMode("replicate")) on
-             DTensor params that require grad, loss.backward(), torch.optim.AdamW
+             DTensor params that require grad, loss.backward(), torch.optim.AdamW(fused=True)
              (pjit's forward and backward programs, torch's optimizer), against ddp
   pjit_ddp_donated, pjit_fsdp_donated
              pjit_ddp / pjit_fsdp with donate_argnums=(0, 1): parameters and moments
@@ -27,15 +28,19 @@ machine). The modes are warmed up, then timed round-robin (one step of each per
 round, a barrier before every step): the reported time is the slowest rank's median.
 Peak memory is measured in processes of their own, after the timing: the peak of a
 rank's resident memory (every thread's allocations, gloo's included) from building
-the mode (model, optimizer, sharding) through three steps, with glibc set up so that
+the mode (its own copy of the parameters, module, optimizer, sharding: every row builds
+all of its state inside the window) through three steps, with glibc set up so that
 resident memory follows allocations (``_models.peak_resident_bytes``; the profiler's
 count of the calling thread's allocations, ``peak_allocated_bytes``, where that is not
 available), after a warm-up build of every mode outside the window (pjit's programs
 are then cached: the compile is not counted); the least of three rounds of every mode
 is reported. Compile time is ``pjit(...).lower(...)`` (trace,
 partition, passes) for each DataParallelMode layout and for DTensorExpandMode with
-replicated parameter specs (what data parallelism was before). Writes
-``benchmarks/results/data_parallel.json``.
+replicated parameter specs (what data parallelism was before). After the timing,
+every row's state (losses, parameter and moment checksums) is checked against a
+single-device run of as many steps (NOTE [Every row did the same work] in
+``_models.py``); a row that differs fails the run, after the results are written.
+Writes ``benchmarks/results/data_parallel.json``.
 """
 
 from __future__ import annotations
@@ -114,10 +119,12 @@ def _build(mode: str, spec: dict, world: int, rank: int):
     local = tuple(t.chunk(world)[rank] for t in (x, y))
     st: dict = {}
     if mode == "single":
-        st["p"], st["o"] = spec["params"], optim.adamw_init(spec["params"])
+        st["p"] = optree_clone(spec["params"])        # built inside the window, as every row's
+        st["o"] = optim.adamw_init(st["p"])
 
         def step():
             st["p"], st["o"], st["loss"] = spec["step"](st["p"], st["o"], x, y)
+        st["fingerprint"] = lambda: M.functional_fingerprint(st["loss"], st["p"], st["o"])
     elif mode in ("ddp", "fsdp2"):
         model = spec["module"]()
         if mode == "ddp":
@@ -127,7 +134,7 @@ def _build(mode: str, spec: dict, world: int, rank: int):
             for unit in spec["units"](model):
                 fully_shard(unit, mesh=mesh)
             fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+        opt = M.torch_adamw(model.parameters(), lr=1e-3, weight_decay=1e-2)
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -135,6 +142,12 @@ def _build(mode: str, spec: dict, world: int, rank: int):
             loss.backward()
             opt.step()
             st["loss"] = loss.detach()
+
+        def fingerprint():
+            loss = st["loss"].clone()          # this rank's batch: the mean of the ranks' means
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+            return M.optimizer_fingerprint(loss, opt)
+        st["fingerprint"] = fingerprint
     elif mode == "pjit_loop":
         import optree
 
@@ -145,7 +158,7 @@ def _build(mode: str, spec: dict, world: int, rank: int):
                        mesh=mesh, mode=DataParallelMode("replicate", compile=False))
         params = optree.tree_map(lambda t: t.requires_grad_(),
                                  shard(optree.tree_map(torch.clone, spec["params"]), P(), mesh))
-        opt = torch.optim.AdamW(optree.tree_leaves(params), lr=1e-3, weight_decay=1e-2)
+        opt = M.torch_adamw(optree.tree_leaves(params), lr=1e-3, weight_decay=1e-2)
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -154,6 +167,7 @@ def _build(mode: str, spec: dict, world: int, rank: int):
             opt.step()
             st["loss"] = loss.detach()
         st["lower"] = lambda: loss_fn.lower(params, x, y)
+        st["fingerprint"] = lambda: M.optimizer_fingerprint(st["loss"], opt)
     else:
         mesh = Mesh((world,), ("dp",))
         layout = "replicate" if mode.startswith("pjit_ddp") else "shard"
@@ -163,14 +177,16 @@ def _build(mode: str, spec: dict, world: int, rank: int):
         f = pjit(spec["step"], in_specs=(P(), P(), P("dp"), P("dp")), mesh=mesh, mode=mode,
                  donate_argnums=donate)
         init = pjit(optim.adamw_init, in_specs=P(), mesh=mesh, mode=mode)   # born sharded
-        # (donated: the params are shards of their own, so the caller's stay readable)
+        # the params are built inside the window, as every row's (donated: shards of
+        # their own, so the caller's stay readable)
         st["p"] = pjit(optree_clone, in_specs=P(), mesh=mesh, mode=mode)(
-            spec["params"]) if donate else spec["params"]
+            spec["params"]) if donate else optree_clone(spec["params"])
         st["o"] = init(spec["params"])
 
         def step():
             st["p"], st["o"], st["loss"] = f(st["p"], st["o"], x, y)
         st["lower"] = lambda: f.lower(st["p"], st["o"], x, y)
+        st["fingerprint"] = lambda: M.functional_fingerprint(st["loss"], st["p"], st["o"])
     step()
     return step, st
 
@@ -244,6 +260,7 @@ def _memory(a: dict, spec: dict, world: int, rank: int) -> dict:
 
 def _time(a: dict, spec: dict, world: int, rank: int) -> dict:
     res: dict = {"times": {}, "loss0": {}}
+    from sharded import optim
     # all modes built, then timed round-robin
     steps, states = {}, {}
     for mode in a["modes"]:
@@ -255,6 +272,13 @@ def _time(a: dict, spec: dict, world: int, rank: int) -> dict:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         res["loss0"][mode] = float(loss)
     res["times"] = M.timed_interleaved(steps, a["warmup"], a["iters"])
+    # NOTE [Every row did the same work] in benchmarks/_models.py: every row ran its
+    # first step in _build, the warm-up and the timed rounds; so does the reference
+    res["fingerprint"] = {m: states[m]["fingerprint"]() for m in a["modes"]}
+    p, o = spec["params"], optim.adamw_init(spec["params"])
+    for _ in range(1 + a["warmup"] + a["iters"]):
+        p, o, loss = spec["step"](p, o, *spec["batch"])
+    res["reference"] = M.functional_fingerprint(loss, p, o)
     res["check_s"] = _value_check_time(spec, a["iters"])
     res["cost"] = {m: {k: v["count"] for k, v in states[m]["lower"]().cost().items()
                        if k != "total"}
@@ -327,10 +351,17 @@ def main(argv=None):
         print(f"\n{name}: world {args.world}, {threads} thread(s)/rank, median of {args.iters} "
               f"interleaved rounds after {args.warmup} warmup")
         print(f"peak memory per rank: {per_rank[0][name]['peak_method']} (benchmarks/_models.py)")
-        print(f"{'mode':<18}{'ms/step':>9}{'peak MiB':>10}{'loss@0':>10}")
+        ref, fps = per_rank[0][name]["reference"], per_rank[0][name]["fingerprint"]
+        checked = M.same_work(fps, ref)
+        n = ref["step"]
+        print(f"{'mode':<18}{'ms/step':>9}{'peak MiB':>10}{'loss@0':>10}{f'loss@{n}':>10}{'same work':>11}")
         for m in a["modes"]:
             mib = f"{peak[m] / 2**20:.2f}" if m in peak else "-"
-            print(f"{m:<18}{ms[m]:>9.1f}{mib:>10}{per_rank[0][name]['loss0'][m]:>10.4f}")
+            ok = "DIFFERENT" if checked[m]["failures"] else f"{checked[m]['max_rel_diff']:.0e}"
+            print(f"{m:<18}{ms[m]:>9.1f}{mib:>10}{per_rank[0][name]['loss0'][m]:>10.4f}"
+                  f"{fps[m]['loss']:>10.4f}{ok:>11}")
+        print(f"same work: each row's state after {n} steps against the single-device run's "
+              f"(largest relative difference of its checksums; tolerance {M.SAME_WORK_RTOL:g})")
         print("time ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
         check_ms = max(statistics.median(r[name]["check_s"]) for r in per_rank) * 1e3
         check_pct = {m: 100 * check_ms / ms[m] for m in a["modes"] if m.startswith("pjit_")}
@@ -345,6 +376,8 @@ def main(argv=None):
             "median_ms": ms, "peak_bytes": peak, "peak_method": per_rank[0][name]["peak_method"],
             "ratios": ratios, "peak_memory_ratios": mem_ratios,
             "loss_first_step": per_rank[0][name]["loss0"], "cost_rank0": per_rank[0][name]["cost"],
+            "same_work": {"rtol": M.SAME_WORK_RTOL, "steps": n, "reference": ref, "rows": fps,
+                          "checked": checked},
             "compile_rank0": per_rank[0][name]["compile"],
             "value_check_ms": check_ms, "value_check_pct_of_step": check_pct,
             "times_ms_per_rank": {m: [[t * 1e3 for t in r[name]["times"][m]] for r in per_rank]
@@ -352,6 +385,9 @@ def main(argv=None):
         }
     result["wall_s"] = wall
     write_result(args.out, result, f"{wall:.0f} s")
+    for name in a["models"]:
+        M.require_same_work(per_rank[0][name]["fingerprint"], per_rank[0][name]["reference"],
+                            f"bench_data_parallel, {name}")
 
 
 if __name__ == "__main__":

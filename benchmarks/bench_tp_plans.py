@@ -9,10 +9,14 @@ The model is ``examples/gpt_module.GPT`` and the plans are ``megatron_plan()`` a
 ``sp_plan()`` there (torch's ParallelStyle objects, as torchtitan writes them). Every
 mode starts from the same weights and batch and runs forward, backward and AdamW
 (lr 1e-3, weight decay 1e-2): pjit with ``sharded.optim.adamw`` inside the program,
-eager TP with ``torch.optim.AdamW`` on the DTensor parameters. Modes are timed
+eager TP with ``torch.optim.AdamW(fused=True)`` on the DTensor parameters (the same
+fused kernel). Modes are timed
 round-robin (one step of each per round, a barrier before every step) after
-``--warmup`` steps; the reported time is the slowest rank's median. Writes
-``benchmarks/results/tp_plans.json``.
+``--warmup`` steps; the reported time is the slowest rank's median. After the timing,
+every row's state (losses, parameter and moment checksums) is checked against the
+unparallelized module's run of as many steps (NOTE [Every row did the same work] in
+``_models.py``); a row that differs fails the run, after the results are written.
+Writes ``benchmarks/results/tp_plans.json``.
 """
 
 from __future__ import annotations
@@ -33,17 +37,17 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks._models import git_rev, write_result  # noqa: E402
-from benchmarks._models import timed_interleaved  # noqa: E402
+from benchmarks import _models as M  # noqa: E402
+from benchmarks._models import git_rev, timed_interleaved, write_result  # noqa: E402
 from examples import gpt_module as gm  # noqa: E402
 from sharded import launch  # noqa: E402
 
 MODES = {
     "pjit_megatron": "pjit, Megatron plan via sharded.plans.parallelize",
-    "torch_megatron": "eager torch TP: parallelize_module(Megatron plan) + torch.optim.AdamW",
+    "torch_megatron": "eager torch TP: parallelize_module(Megatron plan) + torch.optim.AdamW(fused=True)",
     "pjit_sp": "pjit, sequence-parallel plan (torchtitan's) via parallelize",
-    "torch_sp": "eager torch TP: parallelize_module(SP plan) + torch.optim.AdamW",
-    "single": "single-device eager module + torch.optim.AdamW (every rank, full batch)",
+    "torch_sp": "eager torch TP: parallelize_module(SP plan) + torch.optim.AdamW(fused=True)",
+    "single": "single-device eager module + torch.optim.AdamW(fused=True) (every rank, full batch)",
 }
 LR, WD = 1e-3, 1e-2
 
@@ -66,9 +70,10 @@ def _rank_main(a: dict) -> dict:
     mesh = Mesh((world,), ("tp",))
     out: dict = {"loss0": {}, "first_call_s": {}, "cost": {}}
     steps: dict = {}
+    fingerprints: dict = {}     # mode -> its state's fingerprint, read after the timing
 
     def eager_step(model):
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        opt = M.torch_adamw(model.parameters(), lr=LR, weight_decay=WD)
         st = {}
 
         def step():
@@ -78,15 +83,15 @@ def _rank_main(a: dict) -> dict:
             opt.step()
             st["loss"] = loss.detach()
         step()
-        return step, float(st["loss"])
+        return step, float(gather(st["loss"])), lambda: M.optimizer_fingerprint(st["loss"], opt)
 
     for mode in a["modes"]:
         plan_name = mode.split("_", 1)[-1]
         if mode == "single":
-            steps[mode], out["loss0"][mode] = eager_step(copy.deepcopy(base))
+            steps[mode], out["loss0"][mode], fingerprints[mode] = eager_step(copy.deepcopy(base))
         elif mode.startswith("torch_"):
             model = parallelize_module(copy.deepcopy(base), mesh.device_mesh, gm.PLANS[plan_name]())
-            steps[mode], out["loss0"][mode] = eager_step(model)
+            steps[mode], out["loss0"][mode], fingerprints[mode] = eager_step(model)
         elif mode.startswith("pjit_"):
             model = copy.deepcopy(base)
             specs = parallelize(model, gm.PLANS[plan_name](), mesh)
@@ -109,9 +114,22 @@ def _rank_main(a: dict) -> dict:
             step()
             out["first_call_s"][mode] = time.perf_counter() - t0
             steps[mode], out["loss0"][mode] = step, float(gather(st["loss"]))
+            fingerprints[mode] = lambda st=st: M.functional_fingerprint(st["loss"], st["p"], st["o"])
         else:
             raise ValueError(f"unknown mode {mode!r}; choose from {list(MODES)}")
     out["times"] = timed_interleaved(steps, a["warmup"], a["iters"])
+    # NOTE [Every row did the same work] in benchmarks/_models.py: every row ran its
+    # set-up step, the warm-up and the timed rounds; so does the reference (the
+    # unparallelized module, torch's fused AdamW)
+    out["fingerprint"] = {mode: fp() for mode, fp in fingerprints.items()}
+    model = copy.deepcopy(base)
+    opt = M.torch_adamw(model.parameters(), lr=LR, weight_decay=WD)
+    for _ in range(1 + a["warmup"] + a["iters"]):
+        opt.zero_grad(set_to_none=True)
+        loss = model(ids, tgt)
+        loss.backward()
+        opt.step()
+    out["reference"] = M.optimizer_fingerprint(loss.detach(), opt)
     return out
 
 
@@ -146,11 +164,17 @@ def main(argv=None):
           f"batch={args.batch} seq={args.seq}; tp={args.world}, "
           f"{max(1, (os.cpu_count() or 1) // args.world)} thread(s)/rank; "
           f"median of {args.iters} interleaved rounds after {args.warmup} warmup")
-    print(f"{'mode':<16}{'ms/step':>9}{'min..max':>16}{'loss@0':>9}  what")
+    ref, fps = per_rank[0]["reference"], per_rank[0]["fingerprint"]
+    checked = M.same_work(fps, ref)
+    n = ref["step"]
+    print(f"{'mode':<16}{'ms/step':>9}{'min..max':>16}{'loss@0':>9}{f'loss@{n}':>9}{'same work':>11}  what")
     for m in a["modes"]:
         lo, hi = spread[m]
+        ok = "DIFFERENT" if checked[m]["failures"] else f"{checked[m]['max_rel_diff']:.0e}"
         print(f"{m:<16}{ms[m]:>9.1f}{f'{lo:.1f}..{hi:.1f}':>16}"
-              f"{per_rank[0]['loss0'][m]:>9.4f}  {MODES[m]}")
+              f"{per_rank[0]['loss0'][m]:>9.4f}{fps[m]['loss']:>9.4f}{ok:>11}  {MODES[m]}")
+    print(f"same work: each row's state after {n} steps against the single-device run's "
+          f"(largest relative difference of its checksums; tolerance {M.SAME_WORK_RTOL:g})")
     ratios = {f"pjit_{p}/torch_{p}": ms[f"pjit_{p}"] / ms[f"torch_{p}"]
               for p in ("megatron", "sp") if f"pjit_{p}" in ms and f"torch_{p}" in ms}
     if "single" in ms:
@@ -174,6 +198,8 @@ def main(argv=None):
         "min_max_ms": spread,
         "ratios": ratios,
         "loss_first_step": {m: per_rank[0]["loss0"][m] for m in a["modes"]},
+        "same_work": {"rtol": M.SAME_WORK_RTOL, "steps": n, "reference": ref, "rows": fps,
+                      "checked": checked},
         "pjit_first_call_s": per_rank[0]["first_call_s"],
         "pjit_cost_rank0": cost,
         "modes": {m: MODES[m] for m in a["modes"]},
@@ -182,6 +208,7 @@ def main(argv=None):
         "wall_s": wall,
     }
     write_result(args.out, result, f"{wall:.0f} s")
+    M.require_same_work(fps, ref, "bench_tp_plans")
 
 
 if __name__ == "__main__":

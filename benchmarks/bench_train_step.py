@@ -9,7 +9,11 @@ Every rank gets ``cpu_count // world`` intra-op threads (sharded.launch's defaul
 Every mode is set up and run ``--warmup`` times, then the modes are timed round-robin
 (one step of each per round, ``--iters`` rounds, a barrier before every step) so that
 load from outside hits all modes alike; the reported time is the median step time,
-the slowest rank's median. Writes
+the slowest rank's median. After the timing, every row's state (losses, parameter and
+moment checksums) is checked against a single-device run of as many steps (NOTE [Every
+row did the same work] in ``_models.py``); a row that differs fails the run, after the
+results are written. The module rows (``single_module``, ``ddp``) use
+``torch.optim.AdamW(fused=True)``, the kernel of ``sharded.optim.adamw``. Writes
 ``benchmarks/results/train_step.json``.
 """
 
@@ -31,17 +35,18 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from examples import gpt  # noqa: E402
-from benchmarks._models import git_rev, timed_interleaved, write_result  # noqa: E402
+from benchmarks._models import (SAME_WORK_RTOL, git_rev, require_same_work, same_work,  # noqa: E402
+                                timed_interleaved, write_result)
 from sharded import launch  # noqa: E402
 
 
 MODES = {
     "single": "single-device eager (functional, sharded.optim.adamw), full batch",
-    "single_module": "single-device eager nn.Module + torch.optim.AdamW, full batch",
+    "single_module": "single-device eager nn.Module + torch.optim.AdamW(fused=True), full batch",
     "pjit_dp": "pjit data parallel: batch P('dp'), params replicated; compile=False (graph)",
     "pjit_dp_inductor": "pjit_dp with compile=True (inductor)",
     "pjit_dp_reduced": "pjit DP, grads constrained to P() before AdamW",
-    "ddp": "DDP(nn.Module) + torch.optim.AdamW, batch split",
+    "ddp": "DDP(nn.Module) + torch.optim.AdamW(fused=True), batch split",
     "pjit_tp": "pjit tensor parallel: tp_specs, batch replicated; compile=False (graph)",
     "pjit_tp_inductor": "pjit_tp with compile=True (inductor)",
     "dtensor_tp": "eager DTensor TP: same functional step on DTensor params from shard()",
@@ -95,10 +100,12 @@ def _rank_main(a: dict) -> dict:
     my_ids, my_tgt = ids[rank * lb:(rank + 1) * lb], tgt[rank * lb:(rank + 1) * lb]
     out: dict = {"times": {}, "loss0": {}, "first_call_s": {}, "cost": {}}
     steps: dict = {}
+    fingerprints: dict = {}     # mode -> its state's fingerprint, read after the timing
 
-    def record(mode, step, first_loss):
+    def record(mode, step, first_loss, fingerprint):
         out["loss0"][mode] = first_loss
         steps[mode] = step
+        fingerprints[mode] = fingerprint
 
     def setup(mode):  # one scope per mode: the step closures must not share names
         torch.manual_seed(0)
@@ -108,15 +115,22 @@ def _rank_main(a: dict) -> dict:
             def step():
                 st["p"], st["o"], st["loss"] = functional_step(st["p"], st["o"], ids, tgt, *extra)
             step()
-            record(mode, step, float(st["loss"]))
+            record(mode, step, float(st["loss"]),
+                   lambda: M.functional_fingerprint(st["loss"], st["p"], st["o"]))
 
         elif mode in ("single_module", "ddp"):
             model = make_module()
             x, y = (ids, tgt) if mode == "single_module" else (my_ids, my_tgt)
             if mode == "ddp":
                 model = DDP(model)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+            opt = M.torch_adamw(model.parameters(), lr=1e-3, weight_decay=1e-2)
             st = {}
+
+            def global_loss():
+                loss = st["loss"].clone()
+                if mode == "ddp":
+                    dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+                return loss
 
             def step():
                 opt.zero_grad(set_to_none=True)
@@ -125,10 +139,7 @@ def _rank_main(a: dict) -> dict:
                 opt.step()
                 st["loss"] = loss.detach()
             step()
-            loss0 = st["loss"]
-            if mode == "ddp":
-                dist.all_reduce(loss0, op=dist.ReduceOp.AVG)
-            record(mode, step, float(loss0))
+            record(mode, step, float(global_loss()), lambda: M.optimizer_fingerprint(global_loss(), opt))
 
         elif mode in ("pjit_dp", "pjit_dp_inductor", "pjit_dp_reduced", "pjit_tp", "pjit_tp_inductor"):
             if mode.startswith("pjit_tp"):
@@ -155,7 +166,8 @@ def _rank_main(a: dict) -> dict:
             t0 = time.perf_counter()
             step()  # first call: compile (traced by .lower above) + agree + run
             out["first_call_s"][mode] = time.perf_counter() - t0
-            record(mode, step, float(gather(st["loss"])))
+            record(mode, step, float(gather(st["loss"])),
+                   lambda: M.functional_fingerprint(st["loss"], st["p"], st["o"]))
 
         elif mode == "dtensor_tp":
             mesh = Mesh((world,), ("tp",))
@@ -167,13 +179,21 @@ def _rank_main(a: dict) -> dict:
             def step():
                 st["p"], st["o"], st["loss"] = functional_step(st["p"], st["o"], d_ids, d_tgt, *extra)
             step()
-            record(mode, step, float(gather(st["loss"])))
+            record(mode, step, float(gather(st["loss"])),
+                   lambda: M.functional_fingerprint(st["loss"], st["p"], st["o"]))
         else:
             raise ValueError(f"unknown mode {mode!r}; choose from {list(MODES)}")
 
     for mode in a["modes"]:
         setup(mode)
     out["times"] = timed_interleaved(steps, a["warmup"], a["iters"])
+    # NOTE [Every row did the same work] in benchmarks/_models.py: every row ran its
+    # set-up step, the warm-up and the timed rounds; so does the reference
+    out["fingerprint"] = {mode: fp() for mode, fp in fingerprints.items()}
+    p, o = params, optim.adamw_init(params)
+    for _ in range(1 + a["warmup"] + a["iters"]):
+        p, o, loss = functional_step(p, o, ids, tgt, *extra)
+    out["reference"] = M.functional_fingerprint(loss, p, o)
     return out
 
 
@@ -218,12 +238,20 @@ def main(argv=None):
     print(f"{what}; world {args.world}, "
           f"{max(1, (os.cpu_count() or 1) // args.world)} thread(s)/rank; "
           f"median of {args.iters} interleaved rounds after {args.warmup} warmup")
-    print(f"{'mode':<17}{'ms/step':>9}{'min..max':>16}{'vs single':>11}{'loss@0':>9}  what")
+    ref = per_rank[0]["reference"]
+    checked = same_work(per_rank[0]["fingerprint"], ref)
+    n = ref["step"]
+    print(f"{'mode':<17}{'ms/step':>9}{'min..max':>16}{'vs single':>11}{'loss@0':>9}"
+          f"{f'loss@{n}':>9}{'same work':>11}  what")
     for m in a["modes"]:
         rel = f"{ms[m] / base:.2f}x" if base else "-"
         lo, hi = spread[m]
+        ok = "DIFFERENT" if checked[m]["failures"] else f"{checked[m]['max_rel_diff']:.0e}"
         print(f"{m:<17}{ms[m]:>9.1f}{f'{lo:.1f}..{hi:.1f}':>16}{rel:>11}"
-              f"{per_rank[0]['loss0'][m]:>9.4f}  {MODES[m]}")
+              f"{per_rank[0]['loss0'][m]:>9.4f}{per_rank[0]['fingerprint'][m]['loss']:>9.4f}{ok:>11}"
+              f"  {MODES[m]}")
+    print(f"same work: each row's state after {n} steps against the single-device run's "
+          f"(largest relative difference of its checksums; tolerance {SAME_WORK_RTOL:g})")
     ratios = {}
     for num, den in (("pjit_dp", "ddp"), ("pjit_dp_inductor", "ddp"), ("pjit_dp_reduced", "ddp"),
                      ("pjit_tp", "dtensor_tp"), ("pjit_tp_inductor", "dtensor_tp"),
@@ -264,6 +292,8 @@ def main(argv=None):
         "min_max_ms": spread,
         "ratios": ratios,
         "loss_first_step": {m: per_rank[0]["loss0"][m] for m in a["modes"]},
+        "same_work": {"rtol": SAME_WORK_RTOL, "steps": n, "reference": ref,
+                      "rows": per_rank[0]["fingerprint"], "checked": checked},
         "pjit_first_call_s": per_rank[0]["first_call_s"],
         "pjit_cost_rank0": cost,
         "modes": {m: MODES[m] for m in a["modes"]},
@@ -272,6 +302,7 @@ def main(argv=None):
         "wall_s": wall,
     }
     write_result(args.out, result, f"{wall:.0f} s")
+    require_same_work(per_rank[0]["fingerprint"], ref, "bench_train_step")
 
 
 if __name__ == "__main__":
