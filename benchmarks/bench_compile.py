@@ -342,7 +342,8 @@ def main(argv=None):
     name = "compile_abstract" if args.abstract else "compile_inductor" if args.inductor else "compile"
     args.out = args.out or os.path.join(ROOT, "benchmarks", "results", f"{name}.json")
     common = {"benchmark": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "torch": torch.__version__, "git": git_rev(), "cpu_count": os.cpu_count()}
+              "torch": torch.__version__, "git": git_rev(), "cpu_count": os.cpu_count(),
+              "loadavg_at_start": os.getloadavg()}      # (other jobs on a shared machine)
     if args.inductor:
         print("inductor's compile of the gpt-tiny train step (d 128, 2 layers, batch 8 x 64), "
               "DataParallelMode('shard', compile=True), one-rank mesh, one process:")
