@@ -265,6 +265,20 @@ def require_same_work(rows: dict[str, dict], reference: dict, what: str,
 
 # -- timing ---------------------------------------------------------------------------------------
 
+def median_ms(fn, iters: int, warmup: int = 3) -> float:
+    """The median milliseconds of ``iters`` calls of ``fn`` after ``warmup`` calls, in
+    this process alone (no barrier; one row: rows to compare go through
+    ``timed_interleaved``)."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2] * 1e3
+
+
 def timed_interleaved(steps: dict, warmup: int, iters: int) -> dict[str, list[float]]:
     """Warm every mode up, then time them round-robin (one step of each mode per
     round, a barrier before each step), so that load from outside the benchmark hits

@@ -22,13 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
-from bench_random import median_ms
-from sharded import Mesh, P, launch, shard, sync
-from sharded.modes import DTensorExpandMode
-from transforms import pjit
+import torch  # noqa: E402
+
+from benchmarks._models import median_ms  # noqa: E402
+from sharded import Mesh, P, launch, shard, sync  # noqa: E402
+from sharded.modes import DTensorExpandMode  # noqa: E402
+from transforms import pjit  # noqa: E402
 
 
 def _median_us(fn, iters: int) -> float:
@@ -41,6 +46,7 @@ def _rank(world: int, iters: int) -> dict:
     x = torch.ones(8, 8)
     tiny = pjit(lambda x: x * 2, in_specs=P(), mesh=mesh)
     tiny_ar = pjit(lambda x: x.sum(), in_specs=P("dp"), mesh=mesh)
+    torch.manual_seed(0)    # plain inputs are one global value: the same on every rank
     params = shard({f"w{i}": torch.randn(4, 4) for i in range(16)}, P(), mesh)
     batch = torch.randn(8, 4)
     many = pjit(_scale, in_specs=(P(), P()), mesh=mesh,
