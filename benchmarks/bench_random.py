@@ -46,6 +46,7 @@ def main():
     ap.add_argument("--no-compiled", action="store_true", help="no inductor rows (pjit compiled, torch.compile)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "random.json"))
     a = ap.parse_args()
+    load = os.getloadavg()      # (other jobs on a shared machine)
     torch.set_num_threads(a.threads)
     mesh = Mesh((1,), ("dp",))      # (a one-rank process group: timed_interleaved's barrier)
     modes = {"graph": DTensorExpandMode(compile=False)}
@@ -87,7 +88,7 @@ def main():
                   f"first calls {row[f'{name} rand first call s'] + row[f'{name} dropout first call s']:.1f} s")
     write_result(a.out, {"benchmark": "random", "torch": torch.__version__, "git": git_rev(),
                          "threads": a.threads, "machine": platform.machine(),
-                         "cpu_count": os.cpu_count(), "iters": a.iters, "warmup": a.warmup,
+                         "cpu_count": os.cpu_count(), "loadavg_at_start": load, "iters": a.iters, "warmup": a.warmup,
                          "date": time.strftime("%Y-%m-%d"), "rows": rows})
 
 
