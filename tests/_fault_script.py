@@ -36,4 +36,20 @@ def train_until_fault(kind: str, steps: int = 100_000):
 
 
 if __name__ == "__main__":
-    train_until_fault(sys.argv[1])
+    # Under tests/test_faults.py (FAULT_OUTCOME_DIR set): rank 0 ignores the SIGTERM that
+    # torchrun sends the other ranks as soon as one ends (its SIGKILL follows 30 s
+    # later), so the test sees whether rank 0 ended on its own with rank 1's failure as
+    # its cause; each rank writes the exception it ended with to FAULT_OUTCOME_DIR/rank<r>.
+    outcome_dir = os.environ.get("FAULT_OUTCOME_DIR")
+    rank = os.environ.get("RANK", "?")
+    if outcome_dir and rank == "0":
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        train_until_fault(sys.argv[1])
+    except BaseException as e:
+        if outcome_dir:
+            with open(os.path.join(outcome_dir, f"rank{rank}"), "w") as f:
+                f.write(f"{type(e).__module__}.{type(e).__qualname__}: {e}")
+        raise
