@@ -49,7 +49,7 @@ MODES = {
     "ddp": "DDP(nn.Module) + torch.optim.AdamW(fused=True), batch split",
     "pjit_tp": "pjit tensor parallel: tp_specs, batch replicated; compile=False (graph)",
     "pjit_tp_inductor": "pjit_tp with compile=True (inductor)",
-    "dtensor_tp": "eager DTensor TP: same functional step on DTensor params from shard()",
+    "dtensor_tp": "eager DTensor TP: same functional grads on DTensor params from shard(), torch fused AdamW",
 }
 DEFAULT_MODES = ["single", "single_module", "pjit_dp", "pjit_dp_inductor", "ddp", "pjit_tp",
                  "pjit_tp_inductor", "dtensor_tp"]
@@ -82,7 +82,7 @@ def _rank_main(a: dict) -> dict:
         ids = torch.randn(a["mlp_batch"], a["mlp_width"], generator=g)
         tgt = torch.randn(a["mlp_batch"], a["mlp_width"], generator=g)
         cfg = None
-        functional_step = M.mlp_train_step
+        functional_step, loss_fn = M.mlp_train_step, M.mlp_loss
         make_module = lambda: M.MLPModule(params)                     # noqa: E731
         mod_loss = lambda m, x, y: torch.nn.functional.mse_loss(m(x), y)   # noqa: E731
         tp_specs, dp_specs = mlp_tp_specs, gpt.dp_specs
@@ -91,7 +91,7 @@ def _rank_main(a: dict) -> dict:
                             n_layers=a["layers"], seq=a["seq"], sdpa=not a["matmul_attn"])
         params = gpt.init_params(cfg, 0)
         ids, tgt = gpt.batch(cfg, a["batch"], seed=1)
-        functional_step = gpt.train_step
+        functional_step, loss_fn = gpt.train_step, gpt.loss_fn
         make_module = lambda: GPTModule(params, cfg)                   # noqa: E731
         mod_loss = module_loss
         tp_specs, dp_specs = gpt.tp_specs, gpt.dp_specs
@@ -171,16 +171,23 @@ def _rank_main(a: dict) -> dict:
 
         elif mode == "dtensor_tp":
             mesh = Mesh((world,), ("tp",))
-            ps = tp_specs(params)
-            os_ = gpt.opt_specs(ps)
-            st = {"p": shard(params, ps, mesh), "o": shard(optim.adamw_init(params), os_, mesh)}
+            # a copy: shard() slices plain tensors without copying them, and the
+            # optimizer updates its parameters in place
+            st = {"p": shard(optree.tree_map(torch.clone, params), tp_specs(params), mesh)}
             d_ids, d_tgt = shard((ids, tgt), P(), mesh)
+            # the functional step's gradients, then torch's fused AdamW in place (the
+            # kernel of the pjit rows: sharded.optim.adamw on eager DTensors would
+            # fall back to foreach ops, NOTE [Fused optimizer kernels])
+            leaves = optree.tree_leaves(st["p"])
+            opt = M.torch_adamw(leaves, lr=1e-3, weight_decay=1e-2)
 
             def step():
-                st["p"], st["o"], st["loss"] = functional_step(st["p"], st["o"], d_ids, d_tgt, *extra)
+                grads, st["loss"] = torch.func.grad_and_value(loss_fn)(st["p"], d_ids, d_tgt, *extra)
+                for t, g_ in zip(leaves, optree.tree_leaves(grads)):
+                    t.grad = g_
+                opt.step()
             step()
-            record(mode, step, float(gather(st["loss"])),
-                   lambda: M.functional_fingerprint(st["loss"], st["p"], st["o"]))
+            record(mode, step, float(gather(st["loss"])), lambda: M.optimizer_fingerprint(st["loss"], opt))
         else:
             raise ValueError(f"unknown mode {mode!r}; choose from {list(MODES)}")
 
