@@ -66,13 +66,24 @@ def _donated_train_step(mesh_shape, names, mode=None, steps=3):
         torch.testing.assert_close(gather(p), gather(ref_p))
         torch.testing.assert_close(gather(s), gather(ref_s))
     out["shared"] = shared
-    # real allocations on CPU while each step runs (the profiler's allocation events)
+    # real allocations on CPU while each step runs (the profiler's allocation events),
+    # the least of 3 steps: the profiler's count can only overcount (a block that gloo's
+    # thread freed counts until it is allocated again), by how the threads happened to
+    # interleave, which a loaded machine changes; the step's own allocations are the
+    # same every step
     from benchmarks._models import peak_allocated_bytes
 
-    p2, s2 = shard(params, ps, mesh), shard(optim.adamw_init(params), gpt.opt_specs(ps), mesh)
-    out["alloc_plain"] = peak_allocated_bytes(lambda: plain(p2, s2, ids, tgt, CFG))
-    out["alloc"] = peak_allocated_bytes(lambda: donating(p2, s2, ids, tgt, CFG))
-    out["param_bytes"] = _local_bytes(p2)
+    def least_peak(step):
+        p2, s2 = shard(params, ps, mesh), shard(optim.adamw_init(params), gpt.opt_specs(ps), mesh)
+        peaks, res = [], {}
+        for _ in range(3):
+            peaks.append(peak_allocated_bytes(lambda: res.update(out=step(p2, s2, ids, tgt, CFG))))
+            p2, s2, _ = res.pop("out")
+        return min(peaks)
+
+    out["alloc_plain"] = least_peak(plain)
+    out["alloc"] = least_peak(donating)
+    out["param_bytes"] = _local_bytes(shard(params, ps, mesh))
     out["traces"] = donating.trace_count
     # a donated input is consumed: reading it, or passing it again, raises
     errors = []
