@@ -5,11 +5,11 @@ RankPool and torchrun; nothing waits for a timeout.
 The bound: launch/RankPool kill a rank still running GRACE s after the first failure
 (sharded.launch.GRACE, 15 s) and report it as killed; these tests require that no rank
 is killed, i.e. every rank ended on its own with the cause. What they test is that the
-failure reaches the other ranks, not how fast a loaded machine runs, so they widen the
-grace to 120 s (a loaded 2-core CI machine: a rank may wait seconds for a core); a rank
-left waiting is still killed, and reported, then. torchrun runs get TORCHRUN_LIMIT
-(starting the ranks included), and rank 0 ignores torchrun's SIGTERM, so that it must
-end with the cause on its own (tests/_fault_script.py)."""
+failure reaches the other ranks, not how fast a loaded machine runs, so the grace is
+120 s in tests (tests/conftest.py, patient_grace); a rank left waiting is still killed,
+and reported, then. torchrun runs get TORCHRUN_LIMIT (starting the ranks included),
+and rank 0 ignores torchrun's SIGTERM, so that it must end with the cause on its own
+(tests/_fault_script.py)."""
 
 import os
 import subprocess
@@ -25,13 +25,6 @@ from tests._fault_script import train_until_fault
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN_LIMIT = 400          # s; about 10 s on an idle machine
 
-
-@pytest.fixture(autouse=True)
-def patient_grace(monkeypatch):
-    """A 120 s grace for the ranks to end on their own (the module docstring)."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("sharded.launch"), "GRACE", 120.0)
 
 
 def _notes(e) -> str:
