@@ -189,9 +189,9 @@ def torch_adamw(params, lr: float = 1e-3, weight_decay: float = 1e-2) -> torch.o
 # near zero takes a step of about lr whose sign the rounding decides. Over the default
 # 24 steps the committed runs differ by 1e-7 to 1e-5 where only the order of
 # reductions differs, and by up to 1.1e-4 (the MLP's last loss, 0.036, falling from
-# 1.0) between torch's fused AdamW kernel and the same math in foreach ops (the
-# dtensor_tp row; the same on one device); wrong rows differ by 0.2 or more
-# (tests/test_benchmarks.py: 2x gradients, lr 2x, a step fewer).
+# 1.0) between torch's fused AdamW kernel and the same math in foreach ops (on one
+# device, and bench_train_step's dtensor_tp row while it ran foreach ops); wrong rows
+# differ by 0.2 or more (tests/test_benchmarks.py: 2x gradients, lr 2x, a step fewer).
 SAME_WORK_RTOL = 1e-3
 # the scale of a signed checksum (differences relative to it)
 _SCALE = {"params_sum": "params_l1"}
