@@ -97,6 +97,69 @@ def test_resume_on_a_1d_mesh_of_4(gpt_runs, on_ranks):
     torch.testing.assert_close(opt, ref_opt, rtol=1e-4, atol=1e-6)
 
 
+def _plain_torch_run(tc, steps: int):
+    """The Trainer's run in plain torch on one device: the same nn.Module GPT run
+    eagerly, torch.optim.AdamW, the same global batches, and each dropout's mask drawn
+    through the library's generator as documented (docs/random.md): draw d of step k's
+    program is Philox(seed, offset + d, i) over the global elements, the offset k times
+    the program's draws, the draws in the forward's order. Returns the losses, the
+    parameters and AdamW's moments."""
+    model = gm.GPT(tc.model, seed=tc.seed)
+    p = tc.model.dropout
+    per_step = 1 + 2 * tc.model.n_layers          # after the embeddings; 2 per block
+    counter = {"offset": 0, "draw": 0}
+
+    def dropout(x):           # torch's CPU dropout: x * (bernoulli(1 - p) / (1 - p))
+        keep = srandom.bernoulli(tc.seed, counter["offset"] + counter["draw"],
+                                 torch.arange(x.numel()), 1 - p).reshape(x.shape)
+        counter["draw"] += 1
+        return x * keep.to(x.dtype).div_(1 - p)
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.forward = dropout
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr)
+    chain = gpt_train.markov_chain(tc)
+    losses = []
+    for step in range(steps):
+        rows = gpt_train.MarkovText(tc, 1, step, step + 1, chain)
+        ids, targets = (torch.stack(t) for t in zip(*(rows[i] for i in range(tc.batch_size))))
+        counter.update(offset=step * per_step, draw=0)
+        loss = model(ids, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert counter["draw"] == per_step
+        losses.append(loss.item())
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    moments = {"m": {k: opt.state[v]["exp_avg"] for k, v in model.named_parameters()},
+               "v": {k: opt.state[v]["exp_avg_sq"] for k, v in model.named_parameters()}}
+    return losses, params, moments
+
+
+def test_fsdp_sp_gpt_with_dropout_equals_plain_torch(gpt_runs):
+    """The 2x2 run (FSDP x the sequence-parallel plan, dropout 0.1; steps 3 and 4 after
+    its save) equals the nn.Module trained eagerly on one device with torch.optim.AdamW
+    and the same dropout bits, not only pjit on one process (which shares the rewrite)."""
+    ref_losses, ref_params, ref_moments = _plain_torch_run(TC, 5)
+    losses, params, opt = gpt_runs["runs"]["2x2"]
+    torch.testing.assert_close(losses, ref_losses[3:], rtol=1e-5, atol=1e-6)
+    # The key projection's bias has no gradient (softmax ignores a constant added to
+    # every score of a row): its gradient is rounding noise, which AdamW's update
+    # divides by its own size; its moments (noise, tiny) are compared below.
+    noise = [k for k in ref_params if k.endswith("attn.wk.bias")]
+    assert noise and all(opt["m"][k].abs().max() < 1e-6 for k in noise)
+    torch.testing.assert_close({k: v for k, v in params.items() if k not in noise},
+                               {k: v for k, v in ref_params.items() if k not in noise},
+                               rtol=1e-4, atol=1e-5)
+    for k in ("m", "v"):
+        torch.testing.assert_close(opt[k], ref_moments[k], rtol=1e-4, atol=1e-7)
+    assert int(opt["step"]) == 5
+    # the masks matter: without dropout the run is another one
+    no_drop = gpt_train.TrainConfig(**{**TC.__dict__, "model": gm.Config(**{**TC.model.__dict__, "dropout": 0.0})})
+    assert abs(_plain_torch_run(no_drop, 4)[0][3] - losses[0]) > 1e-3
+
+
 # -- each rank writes only its own shards; resharding in every direction -----------------
 
 _BIG = {"a": (64, 128), "b": (128, 64), "c": (64, 64), "d": (256,)}
