@@ -57,7 +57,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks._models import (  # noqa: E402
-    GPTModule, git_rev, module_loss, timed_interleaved, write_result,
+    GPTModule, git_rev, module_loss, timed_interleaved, torch_adamw, write_result,
 )
 from examples import gpt  # noqa: E402
 
@@ -337,7 +337,7 @@ def make_row(row: str, mesh, cfg, params, ids, tgt, compile_backend: str):
     if row in ("eager_module", "torch_compile"):
         model = GPTModule(params, cfg).to(device)
         run = torch.compile(model, backend=compile_backend) if row == "torch_compile" else model
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, fused=True)
+        opt = torch_adamw(model.parameters(), lr=1e-3, weight_decay=1e-2)
 
         def step():
             opt.zero_grad(set_to_none=True)

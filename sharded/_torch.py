@@ -675,27 +675,16 @@ _ABSTRACT_IDS = iter(range(-1, -(2 ** 62), -1))
 
 
 def abstract_device_mesh(shape, axis_names, rank: int, device_type: str):
-    from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.distributed_c10d import _register_process_group
 
     grid = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
     dm = DeviceMesh(device_type, grid, mesh_dim_names=tuple(axis_names), _init_backend=False,
                     _rank=rank)
     coord = [int(c) for c in (grid == rank).nonzero()[0]]
-    names = []
-    for d, axis in enumerate(axis_names):
-        backend = FakeProcessGroup._create_internal(coord[d], shape[d], FakeProcessGroup.Options())
-        pg = ProcessGroup(dist.HashStore(), coord[d], shape[d])
-        for dev in ("cpu", "cuda"):
-            pg._register_backend(torch.device(dev), ProcessGroup.BackendType.CUSTOM, backend)
-        pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
-        name = f"sharded_abstract_{'x'.join(map(str, shape))}_{axis}_r{rank}"
-        pg._set_group_name(name)
-        _register_process_group(name, pg)
-        dm._pg_registry[name] = pg
-        names.append(name)
-    dm._dim_group_names = names
+    dm._dim_group_names = [
+        _fake_group(dm, f"sharded_abstract_{'x'.join(map(str, shape))}_{axis}_r{rank}",
+                    coord[d], shape[d])
+        for d, axis in enumerate(axis_names)]
     dm._thread_id = next(_ABSTRACT_IDS)
     dm._hash = None
     dm._sharded_abstract = (tuple(shape), rank)
@@ -713,9 +702,6 @@ def abstract_device_mesh(shape, axis_names, rank: int, device_type: str):
 def mesh_group(device_mesh) -> str | None:
     """The name of a process group over every rank of ``device_mesh`` that exists
     without communicating (NOTE [One reduction over every mesh axis]), or None."""
-    from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup
-    from torch.distributed.distributed_c10d import _register_process_group
-
     abstract = getattr(device_mesh, "_sharded_abstract", None)
     if abstract is None:
         if dist.is_initialized() and device_mesh.size() == dist.get_world_size():
@@ -724,17 +710,27 @@ def mesh_group(device_mesh) -> str | None:
     name = getattr(device_mesh, "_sharded_mesh_group", None)
     if name is None:
         shape, rank = abstract
-        size = device_mesh.size()
-        backend = FakeProcessGroup._create_internal(rank, size, FakeProcessGroup.Options())
-        pg = ProcessGroup(dist.HashStore(), rank, size)
-        for dev in ("cpu", "cuda"):
-            pg._register_backend(torch.device(dev), ProcessGroup.BackendType.CUSTOM, backend)
-        pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
-        name = f"sharded_abstract_{'x'.join(map(str, shape))}_all_r{rank}"
-        pg._set_group_name(name)
-        _register_process_group(name, pg)
-        device_mesh._pg_registry[name] = pg      # (the registry holds groups weakly)
+        name = _fake_group(device_mesh, f"sharded_abstract_{'x'.join(map(str, shape))}_all_r{rank}",
+                           rank, device_mesh.size())
         device_mesh._sharded_mesh_group = name
+    return name
+
+
+def _fake_group(device_mesh, name: str, rank: int, size: int) -> str:
+    """A fake process group (collectives that communicate nothing) of ``size`` ranks,
+    this one ``rank``, registered as ``name`` and kept alive by ``device_mesh`` (the
+    registry holds groups weakly); returns ``name``."""
+    from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup
+    from torch.distributed.distributed_c10d import _register_process_group
+
+    backend = FakeProcessGroup._create_internal(rank, size, FakeProcessGroup.Options())
+    pg = ProcessGroup(dist.HashStore(), rank, size)
+    for dev in ("cpu", "cuda"):
+        pg._register_backend(torch.device(dev), ProcessGroup.BackendType.CUSTOM, backend)
+    pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+    pg._set_group_name(name)
+    _register_process_group(name, pg)
+    device_mesh._pg_registry[name] = pg
     return name
 
 

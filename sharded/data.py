@@ -17,16 +17,19 @@ that hole:
   (the "tp" ranks of one "dp" group) give the same piece. The result is a DTensor
   whose local tensor is the piece itself: a pjit whose in_specs ask for that layout
   takes it without communication.
-- The values of plain tensors are checked. Every call folds a digest of each plain
-  tensor input (a CRC-32 of its bytes, with its dtype and shape) into the token of
-  the per-call agreement (sharded/sync.py, NOTE [Agreement on every call]): the same one
-  all-reduce as before, so ranks whose plain inputs are equal pay only the hashing
-  (CRC-32 over the bytes on CPU, about 4 GB/s: 3 us for a (8, 64) int64 batch; on
-  another device two weighted sums computed there, and one copy of 16 bytes per
-  tensor to the host per call, which waits for the work queued on the device). Ranks whose values differ all raise ``RankMismatchError``,
-  naming the input and pointing to ``from_local_data``, before any of them
-  communicates. It runs on every call, so a loader that starts to hand out per-rank
-  batches at step 1000 is caught at step 1000.
+- The values of plain tensors are checked by every pjit call and every eager
+  shard_map call (not by ``shard``, which does not communicate). Each folds a digest of
+  each plain tensor input (a CRC-32 of its bytes on CPU; on another device two
+  weighted sums computed there and one 16-byte copy per tensor, which waits for the
+  device; with its dtype and shape) into the token of the per-call agreement
+  (sharded/sync.py, NOTE [Agreement on every call]): the same one all-reduce as
+  before, so ranks whose plain inputs are equal pay only the hashing
+  (benchmarks/bench_data_parallel.py measures it per step). Ranks whose values differ
+  all raise ``RankMismatchError``, naming the input and pointing to
+  ``from_local_data``, before any of them communicates. It runs on every call, so a
+  loader that starts to hand out per-rank batches at step 1000 is caught at step
+  1000. Tensors the function closes over are compared through the program's text
+  (their digest is part of it: ``transforms/pjit.py``, ``program_lines``).
 
 What it does not check: that a DTensor's shards are consistent (a DTensor made with
 ``DTensor.from_local`` from per-rank values, claiming ``Replicate``); that is what
@@ -75,25 +78,19 @@ def value_digests(xs: list[torch.Tensor]) -> list[int]:
 
 
 def _digests(xs: list[torch.Tensor]) -> list[int]:
-    out: list[int | None] = [None] * len(xs)
-    on_device: list[int] = []
+    if any(isinstance(x, DTensor) for x in xs):
+        raise TypeError("value_digest takes plain tensors; got a DTensor.")
+    xs = [x.detach() for x in xs]
+    out = [0] * len(xs)
+    on_device = [i for i, x in enumerate(xs) if x.device.type != "cpu"]
     for i, x in enumerate(xs):
-        x = _plain(x)
         if x.device.type == "cpu":
             out[i] = _fold(zlib.crc32(_bytes(x).numpy().data), x)
-        else:
-            on_device.append(i)
     if on_device:
-        sums = torch.stack([_device_sum(_plain(xs[i])) for i in on_device]).cpu().tolist()
+        sums = torch.stack([_device_sum(xs[i]) for i in on_device]).cpu().tolist()
         for i, (a, b) in zip(on_device, sums):
-            out[i] = _fold(sync.token(a, b), _plain(xs[i]))
-    return [int(v) for v in out]  # type: ignore[arg-type]
-
-
-def _plain(x: torch.Tensor) -> torch.Tensor:
-    if isinstance(x, DTensor):
-        raise TypeError("value_digest takes plain tensors; got a DTensor.")
-    return x.detach()
+            out[i] = _fold(sync.token(a, b), xs[i])
+    return out
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:

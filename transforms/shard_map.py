@@ -90,18 +90,20 @@ class ShardMap:
 
     # -- the arguments ------------------------------------------------------------------
     def _inputs(self, mesh, args):
-        """Flat leaves, tree, and per tensor leaf: (tensor, spec)."""
+        """Flat leaves, tree, per tensor leaf: (tensor, spec), and the tensor leaves'
+        paths."""
         leaves, treedef = _tree.flatten(args)
         specs = _tree.arg_specs(self.in_specs, args, self.name)
         paths = _tree.leaf_paths(args, "args")
-        tensors = []
+        tensors, tensor_paths = [], []
         for x, (spath, spec), apath in zip(leaves, specs, paths):
             if not isinstance(x, torch.Tensor):
                 continue
             spec = P() if spec is None else spec
             check_spec(spec, x.shape, mesh, f"{spath} (for {apath})")
             tensors.append((x, spec))
-        return leaves, treedef, tensors
+            tensor_paths.append(apath)
+        return leaves, treedef, tensors, tensor_paths
 
     def _flat_body(self, leaves, treedef, out_info):
         def flat_body(*local_tensors):
@@ -135,7 +137,7 @@ class ShardMap:
 
     # -- inside a global trace: one region of the program -----------------------------------
     def _emit(self, mesh: Mesh, args: tuple):
-        leaves, treedef, tensors = self._inputs(mesh, args)
+        leaves, treedef, tensors, _ = self._inputs(mesh, args)
         out_info: dict = {}
         boundary = _region.Boundary(
             in_placements=[to_placements(s, mesh) for _, s in tensors],
@@ -158,13 +160,11 @@ class ShardMap:
         on the outputs' global shapes after it (a rank-dependent shape fails here, not
         when the result is gathered); a failure in the body reaches every rank."""
         try:
-            leaves, treedef, tensors = self._inputs(mesh, args)
+            leaves, treedef, tensors, paths = self._inputs(mesh, args)
             lines = [f"input {i}: {str(x.dtype).replace('torch.', '')}{list(x.shape)} {s!r}"
                      + (f" from {tuple(x.placements)}" if isinstance(x, DTensor) else "")
                      for i, (x, s) in enumerate(tensors)]
             # a plain tensor is one global value (NOTE [Per-rank data] in sharded/data.py)
-            paths = [p for p, x in zip(_tree.leaf_paths(args, "args"), leaves)
-                     if isinstance(x, torch.Tensor)]
             plain = [(p, x) for p, (x, _) in zip(paths, tensors)
                      if not isinstance(x, DTensor) and not _torch.is_functorch_wrapped(x)]
             values = tuple(zip([p for p, _ in plain], value_digests([x for _, x in plain])))
