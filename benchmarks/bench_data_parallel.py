@@ -23,6 +23,14 @@ Modes (every one: forward, backward, AdamW):
              the graph, compile=False); time only (their compile would dominate the
              peak-memory window)
 
+``--optimizer per-tensor`` runs every row with AdamW as users write one over a
+``named_parameters()``-style dict (dotted keys): the pjit rows and the reference step
+a pure per-parameter update (``per_tensor_adamw``: elementwise ops on each parameter
+in turn), the torch rows ``torch.optim.AdamW(foreach=False)`` (the same math, one
+parameter at a time); it writes ``benchmarks/results/data_parallel_per_tensor.json``.
+The default, ``fused``, steps ``sharded.optim.adamw`` and ``torch.optim.AdamW(fused=True)``
+(one kernel).
+
 Every rank gets ``cpu_count // world`` intra-op threads (one each on the 2-core
 machine). The modes are warmed up, then timed round-robin (one step of each per
 round, a barrier before every step): the reported time is the slowest rank's median.
@@ -77,9 +85,60 @@ MEM_RATIOS = (("pjit_ddp", "ddp"), ("pjit_fsdp", "fsdp2"), ("pjit_loop", "ddp"),
               ("pjit_ddp_donated", "ddp"), ("pjit_fsdp_donated", "fsdp2"))
 
 
+def flat_dict(tree):
+    """``tree``'s leaves as a dict of dotted keys, as ``named_parameters()`` gives
+    (``blocks.0.attn.wq``), and the function that rebuilds the tree from such a dict."""
+    import optree
+
+    paths, leaves, treedef = optree.tree_flatten_with_path(tree)
+    keys = [".".join(str(k) for k in path) for path in paths]
+    return dict(zip(keys, leaves)), lambda d: optree.tree_unflatten(treedef, [d[k] for k in keys])
+
+
+def per_tensor_adamw(params: dict, grads: dict, state: dict, lr: float = 1e-3, betas=(0.9, 0.999),
+                     eps: float = 1e-8, weight_decay: float = 1e-2):
+    """AdamW as users write one: pure (optax-style), elementwise ops on each parameter
+    of a flat dict in turn; the math of ``torch.optim.AdamW(foreach=False)``. ``state``
+    from ``sharded.optim.adamw_init``; returns ``(params, state)``."""
+    b1, b2 = betas
+    step = state["step"] + 1
+    new, m, v = {}, {}, {}
+    for k, p in params.items():
+        g = grads[k]
+        m[k] = state["m"][k] * b1 + g * (1 - b1)
+        v[k] = state["v"][k] * b2 + g * g * (1 - b2)
+        update = (m[k] / (1 - b1 ** step)) / ((v[k] / (1 - b2 ** step)).sqrt() + eps)
+        new[k] = p * (1 - lr * weight_decay) - lr * update
+    return new, {"step": step, "m": m, "v": v}
+
+
+def _per_tensor(spec: dict) -> dict:
+    """``spec`` with its functional rows on a flat dict of dotted keys, stepped by
+    ``per_tensor_adamw``, and its torch rows by ``torch.optim.AdamW(foreach=False)``."""
+    params, unflat = flat_dict(spec["params"])
+    loss_fn = spec["loss_fn"]
+
+    def flat_loss(p, x, y):
+        return loss_fn(unflat(p), x, y)
+
+    def step(p, o, x, y):
+        grads, loss = torch.func.grad_and_value(flat_loss)(p, x, y)
+        p, o = per_tensor_adamw(p, grads, o)
+        return p, o, loss
+
+    def torch_opt(ps):
+        return torch.optim.AdamW(list(ps), lr=1e-3, weight_decay=1e-2, foreach=False, fused=False)
+    return {**spec, "params": params, "step": step, "loss_fn": flat_loss, "torch_opt": torch_opt}
+
+
 def _model(a: dict, name: str):
     """(functional params, step fn, loss of a module, module factory, batch, static args,
-    FSDP units of a module)."""
+    FSDP units of a module, the torch rows' optimizer)."""
+    spec = _model_fused(a, name)
+    return _per_tensor(spec) if a.get("optimizer") == "per-tensor" else spec
+
+
+def _model_fused(a: dict, name: str):
     if name == "gpt":
         cfg = gpt.GPTConfig(vocab=a["vocab"], d_model=a["d_model"], n_heads=a["heads"],
                             n_layers=a["layers"], seq=a["seq"], sdpa=True)
@@ -88,7 +147,7 @@ def _model(a: dict, name: str):
         return dict(params=params, step=lambda p, o, x, y: gpt.train_step(p, o, x, y, cfg),
                     loss_fn=lambda p, x, y: gpt.loss_fn(p, x, y, cfg),
                     module=lambda: M.GPTBlocks(params, cfg), loss=M.module_loss, batch=(ids, tgt),
-                    units=lambda m: list(m.blocks))
+                    units=lambda m: list(m.blocks), torch_opt=_torch_adamw)
     width, layers = a["mlp_width"], a["mlp_layers"]
     params = M.mlp_init(width, layers)
     g = torch.Generator().manual_seed(1)
@@ -96,7 +155,11 @@ def _model(a: dict, name: str):
     return dict(params=params, step=M.mlp_train_step, loss_fn=M.mlp_loss,
                 module=lambda: M.MLPModule(params),
                 loss=lambda m, x, y: torch.nn.functional.mse_loss(m(x), y), batch=(x, y),
-                units=lambda m: list(m.layers))
+                units=lambda m: list(m.layers), torch_opt=_torch_adamw)
+
+
+def _torch_adamw(params):
+    return M.torch_adamw(params, lr=1e-3, weight_decay=1e-2)
 
 
 def optree_clone(tree):
@@ -134,7 +197,7 @@ def _build(mode: str, spec: dict, world: int, rank: int):
             for unit in spec["units"](model):
                 fully_shard(unit, mesh=mesh)
             fully_shard(model, mesh=mesh)
-        opt = M.torch_adamw(model.parameters(), lr=1e-3, weight_decay=1e-2)
+        opt = spec["torch_opt"](model.parameters())
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -158,7 +221,7 @@ def _build(mode: str, spec: dict, world: int, rank: int):
                        mesh=mesh, mode=DataParallelMode("replicate", compile=False))
         params = optree.tree_map(lambda t: t.requires_grad_(),
                                  shard(optree.tree_map(torch.clone, spec["params"]), P(), mesh))
-        opt = M.torch_adamw(optree.tree_leaves(params), lr=1e-3, weight_decay=1e-2)
+        opt = spec["torch_opt"](optree.tree_leaves(params))
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -320,13 +383,19 @@ def main(argv=None):
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--bucket-mib", type=float, default=None,
                     help="bucket_bytes of the pjit rows in MiB (default: DataParallelMode's)")
+    ap.add_argument("--optimizer", choices=("fused", "per-tensor"), default="fused",
+                    help="the rows' AdamW (see the module docstring)")
     ap.add_argument("--no-compile", dest="compile", action="store_false",
                     help="skip the compile-time comparison")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "data_parallel.json"))
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/data_parallel.json "
+                    "(data_parallel_per_tensor.json with --optimizer per-tensor)")
     args = ap.parse_args(argv)
+    if args.out is None:
+        name = "data_parallel_per_tensor.json" if args.optimizer == "per-tensor" else "data_parallel.json"
+        args.out = os.path.join(ROOT, "benchmarks", "results", name)
     a = {k: getattr(args, k) for k in ("vocab", "d_model", "heads", "layers", "batch", "seq",
                                        "mlp_width", "mlp_layers", "mlp_batch", "warmup", "iters",
-                                       "compile", "bucket_mib")}
+                                       "compile", "bucket_mib", "optimizer")}
     a["models"] = [m for m in args.models.split(",") if m]
     a["modes"] = [m for m in args.modes.split(",") if m]
 

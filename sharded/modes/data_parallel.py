@@ -31,7 +31,8 @@ batch" (a state shard is a Shard too). The policy keeps them honest:
   where it is produced, to the layout of the parameter its readers combine it with,
   else the state layout of its shape (NOTE [A gradient takes its parameter's
   layout]): that puts every gradient reduction in backward order, where the passes
-  bucket and overlap them. Over every mesh axis at once it is one all-reduce (NOTE
+  bucket and overlap them, whichever optimizer reads the gradients (NOTE [An element
+  of a multi-output op's result]). Over every mesh axis at once it is one all-reduce (NOTE
   [One reduction over every mesh axis] in _torch.py).
 - A broadcast of a replicated value to a batch value's shape (the backward's seed of
   ``logits.sum()``) is split like that value (NOTE [A broadcast to the batch's
@@ -251,6 +252,22 @@ def _path(node: fx.Node) -> str:
 # all-to-all (on gloo an all-gather), and a plan that Mesh.abstract could not lower.
 
 
+# NOTE [An element of a multi-output op's result]
+# A layer norm's backward returns the input's, the weight's and the bias's gradients
+# as one tuple; each is read through a getitem, and the getitem is where the
+# gradient is produced. The policy reduced pending sums where produced only after
+# ops, not after getitems, so such a gradient stayed pending until its readers: with
+# sharded.optim.adamw, one fused op that reduces it (all of them together, where the
+# optimizer starts), but with a per-parameter AdamW (``g * (1 - b1)``, ``g * g``:
+# linear, so the sum travelled) each reader reduced a copy of its own, three
+# reductions per layer norm gradient, in the optimizer, each awaited at once; they
+# broke every bucket around them (issue 23: the benchmark's GPT at 2 ranks, 39
+# all-reduces a step under "replicate" against 3 with the fused optimizer and with
+# DTensorExpandMode, whose policy reduces after getitems too; "shard" 40
+# reduce-scatters and 19 all-reduces against 4 and 2). A getitem's pending sum is
+# reduced where produced like any other: the same buckets with either optimizer.
+
+
 class _DataParallelPolicy(LayoutPolicy):
     """NOTE [Batch-dim analysis]."""
 
@@ -311,24 +328,25 @@ class _DataParallelPolicy(LayoutPolicy):
             if node in self.batch and isinstance(result, DTensor):
                 self._add_batch(node, result)
             return result
-        if node.op == "call_function" and node.target is operator.getitem:
-            if node.args[0] in self.batch and isinstance(result, DTensor) and isinstance(self._dp(result), Shard):
-                self._add_batch(node, result)
-            return result
         if node.op != "call_function":
             return result
-        if node.target in SPECIAL_OPS:
-            reads = any(a in self.batch for a in node.all_input_nodes) or node.target is RNG_OP
+        if node.target is operator.getitem:
+            if node.args[0] in self.batch and isinstance(result, DTensor) and isinstance(self._dp(result), Shard):
+                self._add_batch(node, result)
         else:
-            reads = self._reads_batch
-        self._reads_batch = False
-        if reads and any(isinstance(self._dp(v), Shard) for v in _tensors(result) if isinstance(v, DTensor)):
-            self._add_batch(node, result)
-        elif node.target is _EXPAND and isinstance(result, DTensor):
-            result = self._split_broadcast(ex, node, result)
+            if node.target in SPECIAL_OPS:
+                reads = any(a in self.batch for a in node.all_input_nodes) or node.target is RNG_OP
+            else:
+                reads = self._reads_batch
+            self._reads_batch = False
+            if reads and any(isinstance(self._dp(v), Shard) for v in _tensors(result) if isinstance(v, DTensor)):
+                self._add_batch(node, result)
+            elif node.target is _EXPAND and isinstance(result, DTensor):
+                result = self._split_broadcast(ex, node, result)
         if isinstance(result, DTensor) and _has_partial(result) and _reduced_by_readers(node, result):
             # reduced once, where produced (NOTE [Batch-dim analysis]), to the layout
-            # of the state its readers combine it with
+            # of the state its readers combine it with; a getitem too (NOTE [An
+            # element of a multi-output op's result])
             return self._reduce(ex, result, *self._state_layout(result, self._peers(ex, node)))
         return result
 
