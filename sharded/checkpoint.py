@@ -46,17 +46,13 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from sharded import _tree
+from sharded.errors import CheckpointError
 from sharded.sync import all_gather_objects
 
 __all__ = ["save", "load", "wait", "exists", "PendingSave", "CheckpointError"]
 
 #: Leaf types saved as Python values (pickled by DCP, written once).
 SCALAR_TYPES = (bool, int, float, complex, str, bytes, type(None))
-
-
-class CheckpointError(RuntimeError):
-    """A save or load failed on some rank (every rank raises it), or there is no
-    checkpoint to load."""
 
 
 # ---------------------------------------------------------------------------

@@ -29,7 +29,7 @@ that hole:
   ``from_local_data``, before any of them communicates. It runs on every call, so a
   loader that starts to hand out per-rank batches at step 1000 is caught at step
   1000. Tensors the function closes over are compared through the program's text
-  (their digest is part of it: ``transforms/pjit.py``, ``program_lines``).
+  (their digest is part of it: ``sharded/_fingerprint.py``, ``program_lines``).
 
 What it does not check: that a DTensor's shards are consistent (a DTensor made with
 ``DTensor.from_local`` from per-rank values, claiming ``Replicate``); that is what

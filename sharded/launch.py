@@ -26,23 +26,22 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import sys
 import time
+import types
 import traceback
 from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
 
+from sharded.errors import RankError
+
 __all__ = ["launch", "RankPool", "RankError"]
 
 RELEASE_AFTER = 1.0      # s after the first failure before failed ranks release their groups
 GRACE = 15.0             # s after the first failure before ranks still running are killed
 _POLL = 0.1
-
-
-class RankError(RuntimeError):
-    """A local rank died, or a function failed on local ranks; carries each rank's
-    outcome."""
 
 
 def _free_port() -> int:
@@ -284,3 +283,18 @@ def launch(fn: Callable, nprocs: int, *args, backend: str | None = None,
     """
     with RankPool(nprocs, backend=backend) as pool:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+
+# NOTE [sharded.launch is the module and the function]
+# ``sharded.launch(fn, nprocs)`` runs ``fn`` on local ranks, and ``sharded.launch`` is
+# also this module (``sharded.launch.RankPool``, ``sharded.launch.GRACE``,
+# ``import sharded.launch as m``). Had the package bound the function to the name, the
+# module would be reachable only through ``sys.modules`` (``mock.patch("sharded.launch.
+# GRACE")`` and ``import sharded.launch as m`` both found the function). So the module
+# is callable instead: calling it calls ``launch``.
+class _CallableModule(types.ModuleType):
+    def __call__(self, fn: Callable, nprocs: int, *args, **kwargs) -> list[Any]:
+        return launch(fn, nprocs, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

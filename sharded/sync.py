@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from sharded import _torch
+from sharded.errors import RankFailedError, RankMismatchError  # noqa: F401  (sync.RankMismatchError: re-exported)
 
 __all__ = ["RankMismatchError", "RankFailedError", "Outcome", "agree", "agree_async", "agreed",
            "run_guarded",
@@ -80,20 +81,6 @@ FORCE = 1 << 62                     # a token that makes every rank take the ful
 _MASK = FORCE - 1
 
 
-class RankMismatchError(RuntimeError):
-    """Ranks called a program with different signatures or built different programs."""
-
-
-class RankFailedError(RuntimeError):
-    """Another rank failed; ``rank`` is the failing rank (None if unknown), ``error``
-    its exception as text and ``remote_traceback`` its traceback."""
-
-    def __init__(self, message: str, *, rank: int | None = None, error: str = "",
-                 remote_traceback: str = ""):
-        super().__init__(message)
-        self.rank = rank
-        self.error = error
-        self.remote_traceback = remote_traceback
 
 
 # ---------------------------------------------------------------------------

@@ -903,7 +903,7 @@ CASES = {
     "module_arg": (c_module_arg, E("TypeError", r"args\[0\] is an nn.Module \(Linear\); pass its parameters instead.*torch.func.functional_call")),
     "dict_subclass_arg": (c_dict_subclass_arg, E("TypeError", r"args\[0\] is an instance of MyDict \(a dict subclass that is not a registered pytree node\) holding tensors")),
     "object_with_tensors_arg": (c_object_with_tensors_arg, E("TypeError", r"args\[0\] is an instance of Holder with tensor attributes \['t'\]")),
-    # keyword arguments (NOTE [Keyword arguments] in transforms/pjit.py)
+    # keyword arguments (NOTE [Keyword arguments] in sharded/_arguments.py)
     "keyword_args_ok": (c_keyword_args_ok, OK),
     "keyword_tuple_specs_replicated_ok": (c_keyword_tuple_specs_replicated_ok, OK),
     "keyword_static_ok": (c_keyword_static_ok, OK),
@@ -915,7 +915,7 @@ CASES = {
     "static_kwarg_tensor": (c_static_kwarg_tensor, E("TypeError", r"pjit\(<lambda>\): kwargs\['scale'\] is static \(static_argnames\) but is a tensor of shape \(2,\)")),
     "static_kwarg_unhashable": (c_static_kwarg_unhashable, E("TypeError", r"static kwargs\['cfg'\] \(static_argnames\), dict")),
     "in_specs_dict_names_static": (c_in_specs_dict_names_static, E("ValueError", r"in_specs\['scale'\] names a static argument; static arguments take no spec")),
-    # donation (NOTE [Donation] in transforms/pjit.py)
+    # donation (NOTE [Donation] in sharded/_program.py)
     "donate_argnames_unknown": (c_donate_argnames_unknown, E("ValueError", r"donate_argnames has 'parms', but the function has no parameter of that name; it takes \(params, x\)")),
     "donated_read_after_call": (c_donated_read_after_call, E("RuntimeError", r"^args\[0\] was donated to pjit\(<lambda>\); use the returned value")),
     "donated_passed_again": (c_donated_passed_again, E("RuntimeError", r"pjit\(<lambda>\): args\[0\] cannot be used: args\[0\] was donated to pjit\(<lambda>\); use the returned value")),

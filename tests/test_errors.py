@@ -168,7 +168,7 @@ def test_data_dependent_call_names_the_users_line(mesh1):
 def test_data_dependent_call_in_a_library_names_its_line_and_the_users(mesh1, tmp_path, monkeypatch):
     """An installed library's line (one that asks for a value, as transformers' masking
     code did before it checked torch.compiler.is_compiling()), and the user's call."""
-    import transforms._trace as trace
+    import sharded._trace as trace
 
     (tmp_path / "valuelib.py").write_text(
         "def packed(pos):\n"

@@ -426,7 +426,7 @@ class _Cfg:
 
 
 def test_static_args_enter_the_digest_stably():
-    from transforms.pjit import stable_repr
+    from sharded._fingerprint import stable_repr
 
     a, b = _Cfg(2.0, ("x",)), _Cfg(2.0, ("x",))
     assert repr(a) != repr(b)                          # default reprs carry the address
@@ -460,7 +460,7 @@ def test_a_thousand_compiles_do_not_grow_memory(mesh1, monkeypatch):
     from sharded import _torch
     from sharded.api import constraint_spec
 
-    pj = sys.modules["transforms.pjit"]
+    pj = sys.modules["sharded._cache"]
     monkeypatch.setattr(pj, "CACHE_SIZE", 16)
     monkeypatch.setattr(_torch, "_CACHE_LIMIT", 1024)
     _compile_many(mesh1, 50)                           # warm up
@@ -480,7 +480,7 @@ def test_a_thousand_compiles_do_not_grow_memory(mesh1, monkeypatch):
     gc.collect()
     growth = tracemalloc.get_traced_memory()[0] - start
     tracemalloc.stop()
-    assert len(pj._PROGRAMS[f]) == 16                  # an LRU per function
+    assert len(pj._TABLES[f].programs) == 16           # an LRU per function
     assert len(_loader.eval_cache) - sources <= 2 * 16 + 2, "torch.fx kept generated sources"
     assert len(linecache.cache) - lines <= 2 * 16 + 2
     assert len(FakeTensorMode.cache) <= 1024

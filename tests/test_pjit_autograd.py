@@ -1,7 +1,7 @@
 """pjit under autograd on real gloo ranks: ``loss.backward()``, ``torch.autograd.grad``
 and torch.func (``grad``, ``vjp``, ``jacrev``) through a pjit'd function give the
 single-device gradients, laid out like the inputs, from a backward program traced once
-with the forward (NOTE [pjit under autograd] in transforms/_autograd.py)."""
+with the forward (NOTE [pjit under autograd] in sharded/_autograd.py)."""
 
 from __future__ import annotations
 

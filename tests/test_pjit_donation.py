@@ -1,4 +1,4 @@
-"""pjit donation on real gloo ranks (NOTE [Donation] in transforms/pjit.py, NOTE
+"""pjit donation on real gloo ranks (NOTE [Donation] in sharded/_program.py, NOTE
 [Writing into donated inputs] and NOTE [Fused optimizer kernels in place] in
 sharded/passes/inplace.py): a donated train step computes its parameters and moments in
 the donated storage (the outputs' local shards ARE the inputs'), gives the undonated

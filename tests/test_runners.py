@@ -220,7 +220,7 @@ def _evicted_and_rebuilt(tmp):
 
     import importlib
 
-    pjit_module = importlib.import_module("transforms.pjit")
+    pjit_module = importlib.import_module("sharded._cache")
 
     first, _runner.FIRST_CHECK = _runner.FIRST_CHECK, 2
     size, pjit_module.CACHE_SIZE = pjit_module.CACHE_SIZE, 1

@@ -1,11 +1,12 @@
-"""The steady-state call (NOTE [The steady-state call] in transforms/pjit.py): a call
+"""The steady-state call (NOTE [The steady-state call] in sharded/_cache.py): a call
 with the last call's signature and inputs in the planned layouts skips the full
 signature, and anything that differs (shape, dtype, layout, mesh, static arguments,
 tree structure, default dtype, autocast, requires_grad, donation, a program gone from
 the cache) takes the full path and gives the single-device result.
 
 Each test runs a few calls to arm the plan, then counts full-path calls by wrapping
-``Pjit._signature`` (the full path builds the signature; the steady path does not)."""
+``Arguments.signature`` of the pjit (the full path builds the signature; the steady
+path does not)."""
 
 from __future__ import annotations
 
@@ -23,13 +24,13 @@ def mesh():
 
 def _count_full_path(f):
     calls = []
-    full = f._signature
+    full = f.arguments.signature
 
     def counted(*a, **k):
         calls.append(1)
         return full(*a, **k)
 
-    f._signature = counted
+    f.arguments.signature = counted
     return calls
 
 
@@ -181,7 +182,7 @@ def test_requires_grad_and_donation_take_the_full_path(mesh):
 def test_a_program_gone_from_the_cache_takes_the_full_path(mesh, monkeypatch):
     f, p, x = _armed(mesh)
     full = _count_full_path(f)
-    f._cache().clear()
+    f._cache.table().programs.clear()
     out = f(p, x)
     torch.testing.assert_close(gather(out), _want(p, x))
     assert len(full) == 1 and f.trace_count == 2

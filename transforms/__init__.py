@@ -1,8 +1,7 @@
-"""Function transforms over sharded programs: pjit and shard_map."""
+"""pjit and shard_map under their original import path (``from transforms import
+pjit``). They live in ``sharded`` (``from sharded import pjit, shard_map``), which a
+user's own ``transforms.py`` cannot shadow; this package re-exports them."""
 
-from transforms._trace import TracingError
-from transforms.lowered import Lowered
-from transforms.pjit import UNSPECIFIED, pjit
-from transforms.shard_map import shard_map
+from sharded import UNSPECIFIED, Lowered, TracingError, pjit, shard_map
 
 __all__ = ["pjit", "shard_map", "Lowered", "TracingError", "UNSPECIFIED"]

@@ -25,14 +25,11 @@ from typing import Sequence
 import torch.fx as fx
 from torch.distributed.tensor import Placement
 
+from sharded.errors import ShardingRuleError
 from sharded.modes._runner import make_runner
 from sharded.passes import (bucket_all_reduces, count_targets_early, cse, dce, hoist_reductions,
                             reinplace_foreach, remove_identity_views, remove_trivial_collectives,
                             sink_waits, untie_shape_reads)
-
-
-class ShardingRuleError(NotImplementedError):
-    """An op in the program has no sharding rule for the layouts it receives."""
 
 
 @dataclass

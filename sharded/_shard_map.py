@@ -31,8 +31,8 @@ from sharded.mesh import Mesh, current_mesh
 from sharded.modes._expand import contiguous_strides
 from sharded.random.rewrite import RNG_STATE_OP
 from sharded.spec import P, axes_of_dim, check_spec, local_shape, local_slice, to_placements
-from transforms._trace import in_global_trace
-from transforms.pjit import Pjit
+from sharded._trace import in_global_trace
+from sharded._pjit import Pjit
 
 
 def shard_map(fn: Callable | None = None, /, *, mesh: Mesh | None = None, in_specs,

@@ -19,9 +19,9 @@ class Lowered:
       it has compiled) in inductor; ``runner()``: what runs the program now.
     - ``backward``: for a call whose inputs require grad (or under torch.func.grad,
       vjp, jacrev), the backward program's ``Lowered`` (NOTE [pjit under autograd] in
-      transforms/_autograd.py); None otherwise.
+      sharded/_autograd.py); None otherwise.
     - ``donated``: ``{donated input path: output path that shares its storage, or
-      None}`` (NOTE [Donation] in transforms/pjit.py); empty without donation.
+      None}`` (NOTE [Donation] in sharded/_program.py); empty without donation.
     """
 
     backward: "Lowered | None"

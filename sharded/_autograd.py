@@ -5,7 +5,7 @@ and backward are partitioned per-rank programs, traced and cached together.
 A call whose tensor inputs require grad (DTensor parameters before ``loss.backward()``)
 or are torch.func-wrapped (``torch.func.grad``, ``vjp``, ``jacrev``) is keyed with its
 requires-grad flags and compiled from the joint program (NOTE [The joint program] in
-``transforms/_trace.py``), split by torch's partitioner into two global programs:
+``sharded/_trace.py``), split by torch's partitioner into two global programs:
 
 - the forward: the function's outputs, then the values the backward needs (the
   residuals); partitioned with the call's in_specs and out_specs, the residuals
@@ -31,96 +31,22 @@ and the backward reads what they drew (a saved residual): nothing is drawn twice
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
-
 import torch
-import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate
 
 from sharded import _torch, random as srandom, sync
-from sharded.data import value_digests
-from sharded.spec import local_slice
+from sharded._arguments import VMAP
 
 _HIGHER_ORDER = (
     "{name}: its backward is not differentiable (higher-order gradients through a pjit "
     "call are not supported). Put the outer transform inside the function instead, e.g. "
     "pjit(torch.func.grad(torch.func.grad(f)), ...)."
 )
-VMAP = (
-    "{name} was called inside torch.func.vmap; a pjit call cannot be batched from "
-    "outside. Put vmap inside the function instead: pjit(torch.func.vmap(f), ...)."
-)
 _JVP = (
     "{name}: forward-mode differentiation (torch.func.jvp, jacfwd) through a pjit call "
     "is not supported; use reverse mode (grad, vjp, jacrev) or put the transform "
     "inside the function."
 )
-
-
-@dataclass(eq=False)
-class Backward:
-    """The backward program of a differentiable cache entry (NOTE [pjit under
-    autograd])."""
-
-    global_graph: fx.GraphModule
-    local_graph: fx.GraphModule
-    runner: Any
-    mesh: Any
-    name: str
-    res_moves: list            # per residual: None, or (src spec, dst placements) to redistribute
-    tan_specs: list            # per cotangent input: the DTensorSpec it must arrive as
-    grad_specs: list           # per gradient output: its DTensorSpec
-    n_draws: int = 0
-    rng_device: Any = None
-    program: int = 0
-    lines: Callable = list
-    in_specs: list = field(default_factory=list)         # for Lowered
-    out_placements: list = field(default_factory=list)
-    layouts: dict | None = None
-    times: dict = field(default_factory=dict)    # partition and passes (traced with the forward)
-
-    def outcome(self, cotangents) -> sync.Outcome:
-        moves = []
-        for k, (g, spec) in enumerate(zip(cotangents, self.tan_specs)):
-            if isinstance(g, DTensor) and tuple(g.placements) != tuple(spec.placements):
-                moves.append((k, tuple(g.placements)))
-        rng = srandom._call_state() if self.n_draws else None
-        # a plain cotangent is one global value too (NOTE [Per-rank data])
-        bases = [_torch.functorch_base(g) if isinstance(g, torch.Tensor) else None
-                 for g in cotangents]
-        plain = [k for k, g in enumerate(bases) if g is not None and not isinstance(g, DTensor)]
-        values = tuple(zip([f"the cotangent of output {k}" for k in plain],
-                           value_digests([cotangents[k] for k in plain])))
-        if not moves:
-            return sync.Outcome(self.program, self.lines, rng, values)
-
-        def lines():
-            return self.lines() + [f"cotangent {k}: a DTensor laid out as {pl}, redistributed "
-                                   f"before the backward" for k, pl in moves]
-
-        return sync.Outcome(sync.token(self.program, moves), lines, rng, values)
-
-    def run(self, residuals, cotangents) -> list:
-        dm = self.mesh.device_mesh
-        locals_ = []
-        for r, move in zip(residuals, self.res_moves):
-            if move is not None:
-                src, dst = move
-                r = _torch.local_tensor(_torch.make_dtensor(r, src).redistribute(dm, dst))
-            locals_.append(r.contiguous())
-        for g, spec in zip(cotangents, self.tan_specs):
-            if g is None:
-                g = torch.zeros(spec.shape, dtype=spec.tensor_meta.dtype)
-            if isinstance(g, DTensor):
-                if tuple(g.placements) != tuple(spec.placements):
-                    g = g.redistribute(dm, spec.placements)
-                locals_.append(_torch.local_tensor(g).contiguous())
-            else:
-                locals_.append(local_slice(g, spec.placements, self.mesh).contiguous())
-        if self.n_draws:
-            locals_.extend(srandom._take(self.n_draws, self.rng_device))
-        return list(self.runner(*locals_))
 
 
 class Call:

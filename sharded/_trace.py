@@ -27,16 +27,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sharded import _region, _torch
+from sharded.errors import CapturedStateError, TracingError
 from sharded.sync import add_note
 from sharded._trace_state import global_trace as _global_trace, in_global_trace  # noqa: F401
-
-
-class TracingError(RuntimeError):
-    """The function cannot be traced into a static program."""
-
-
-class CapturedStateError(RuntimeError):
-    """The function changes a tensor or module state it does not take as an argument."""
 
 
 class _QuietFakeTensorErrors(logging.Filter):
