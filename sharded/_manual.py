@@ -16,8 +16,10 @@ The set of every value (its "vma") is computed by a TorchDispatchMode, which see
 every aten op the body runs on plain tensors: below autograd and below torch.func,
 so also the ops of a torch.func.grad/vmap nested in the body, the backward ops that
 autograd runs, in-place ops and factories. Its rule is JAX's: a result varies over
-the union of its tensor inputs' axes; a collective has its own rule (registered in
-``VMA_RULES`` beside the collective); an in-place op updates the destination's set
+the union of its tensor inputs' axes; a collective has its own rule (its entry in
+the registry of primitives, sharded/_registry.py, filled beside the collective); a
+random op draws from the counter-based generator (the draw hook, filled by
+sharded/random/rewrite.py); an in-place op updates the destination's set
 (and its base's). A tensor no op of the region produced (a constant the body closes
 over) is invariant: it is the same Python value on every rank.
 
@@ -34,6 +36,16 @@ enclosing program that the body closes over is captured as an extra replicated
 input (NOTE [Closures] in sharded/_region.py); in an eager body, Python control flow
 on a varying value (``bool``, ``item``) is an error, since ranks would take
 different paths.
+
+# NOTE [Hooks of the manual layer]
+This module is the lowest layer of shard_map: the collectives (sharded/collectives.py),
+the random draws (sharded/random/rewrite.py) and the regions (sharded/_region.py) are
+built on it and import it; it imports none of them. Where it needs them it reads the
+registry of primitives (varying-axes rules) or calls a hook that the layer above
+fills when it is imported: the implicit ``pvary`` (``set_pvary_hooks``, from
+collectives) and a body's random draws (``set_draw_hooks``, from random.rewrite).
+Entering a region checks that both are filled: every module that enters one
+(_region, _shard_map) imports both layers.
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sharded import _torch
+from sharded import _registry, _torch, random as srandom
 
 if TYPE_CHECKING:
     from sharded.mesh import Mesh
@@ -54,8 +66,33 @@ if TYPE_CHECKING:
 _ATTR = "_sharded_vma"
 _STATE = threading.local()
 
-# op overload -> rule(args, kwargs) -> frozenset of axes its result varies over
-VMA_RULES: dict[object, Callable] = {}
+
+class _Hooks:
+    """The slots the layers above fill (NOTE [Hooks of the manual layer])."""
+
+    pvary: Callable | None = None        # (x, axes) -> x varying over the axes too
+    pvary_: Callable | None = None       # in place, before an in-place op
+    is_random: Callable | None = None    # (func, args, kwargs) -> does the call draw?
+    draw: Callable | None = None         # (ctx, func, args, kwargs) -> the call's values
+
+
+_HOOKS = _Hooks()
+
+
+def set_pvary_hooks(pvary: Callable, pvary_: Callable) -> None:
+    _HOOKS.pvary, _HOOKS.pvary_ = pvary, pvary_
+
+
+def set_draw_hooks(is_random: Callable, draw: Callable) -> None:
+    _HOOKS.is_random, _HOOKS.draw = is_random, draw
+
+
+def _check_hooks(api: str) -> None:
+    missing = [m for m, filled in (("sharded.collectives", _HOOKS.pvary),
+                                   ("sharded.random.rewrite", _HOOKS.draw)) if filled is None]
+    if missing:
+        raise RuntimeError(f"{api}: internal error: a manual region entered before "
+                           f"{' and '.join(missing)} filled its hooks (import it first).")
 
 
 @dataclass
@@ -98,9 +135,7 @@ class ManualContext:
             # Seen first under a transform of the body, the value is known only by the
             # tensor under the enclosing transform's wrapper: capturing that would cut
             # the enclosing transform's gradient path (a silently missing gradient).
-            from sharded._region import _closure_under_transforms
-
-            raise _closure_under_transforms(self.api)
+            raise closure_under_transforms(self.api)
         if entry is None:
             with untracked():
                 stand_in = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -138,12 +173,21 @@ class ManualContext:
             draw = self.n_draws
             self.n_draws += 1
             return self.rng_state, draw
-        from sharded import random as srandom
-
         with untracked():
             srandom._agree_on_seed(self.mesh)
             seed, offset = srandom._take(1, device)
             return torch.stack([seed, offset]), 0
+
+
+def closure_under_transforms(name) -> NotImplementedError:
+    # torch.func cannot wrap a wrapper of the enclosing program's transforms at the
+    # body's own levels (an internal assertion); see ManualContext.capture.
+    return NotImplementedError(
+        f"{name}: the body closes over a traced value and uses it only inside a "
+        f"torch.func transform of the body, while a torch.func transform encloses the "
+        f"shard_map; pass the value as an argument (with in_spec P()) instead of closing "
+        f"over it."
+    )
 
 
 def current(api: str) -> ManualContext:
@@ -174,6 +218,7 @@ class manual_region:
             raise NotImplementedError(
                 f"{self.ctx.api}: shard_map inside another shard_map body is not supported."
             )
+        _check_hooks(self.ctx.api)
         _STATE.ctx = self.ctx
         self.fn_mode.__enter__()
         self.dispatch_mode.__enter__()
@@ -237,12 +282,10 @@ def differentiable(x: torch.Tensor) -> bool:
 
 def varying_to(x, axes: frozenset):
     """``x`` pvary'd to vary over ``axes`` (a superset of its own)."""
-    from sharded.collectives import pvary
-
     missing = axes - vma_of(x)
     # in mesh order: a set's order differs between processes (string hashing), and the
     # ranks must build the same program
-    return pvary(x, _ordered(active().mesh, missing)) if missing else x
+    return _HOOKS.pvary(x, _ordered(active().mesh, missing)) if missing else x
 
 
 # -- the dispatch-level tracker ----------------------------------------------------------
@@ -264,15 +307,13 @@ class _VmaDispatchMode(_torch.dispatch_mode_base()):
                      else x for x in flat]
             if any(a is not b for a, b in zip(local, flat)):
                 args, kwargs = optree.tree_unflatten(spec, local)
-        rule = VMA_RULES.get(func)
+        rule = _registry.VMA_RULES.get(func)
         if rule is not None:
             out = func(*args, **kwargs)
             set_vma(out, rule(args, kwargs))
             return out
-        from sharded.random import rewrite
-
-        if rewrite.is_random_call(func, args, kwargs):
-            return rewrite.draw_in_region(self.ctx, func, args, kwargs)
+        if _HOOKS.is_random(func, args, kwargs):
+            return _HOOKS.draw(self.ctx, func, args, kwargs)
         tensors = [x for x in _leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         union = frozenset().union(*(vma_of(t) for t in tensors))
         out = func(*args, **kwargs)
@@ -369,9 +410,7 @@ def _pvary_in_place(dst, union: frozenset) -> None:
         return
     missing = union - vma_of(dst)
     if missing:
-        from sharded.collectives import pvary_
-
-        pvary_(dst, _ordered(active().mesh, missing))
+        _HOOKS.pvary_(dst, _ordered(active().mesh, missing))
 
 
 def _is_sharded_op(func) -> bool:

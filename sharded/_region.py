@@ -48,11 +48,17 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from sharded import _manual, _torch, collectives as C
+from sharded import _manual, _registry, _torch, collectives as C
 from sharded._manual import ManualContext, differentiable, manual_region, set_vma, vma_of
+from sharded.mesh import mesh_device
+from sharded.random import rewrite  # noqa: F401  (fills the manual layer's draw hook)
 from sharded.spec import P, axes_of_dim, from_placements, to_placements
 
 _STATE = threading.local()
+# Live regions by key. The op's fake kernel gets only the key (a custom op's arguments
+# are tensors and plain values), and so do the graphs split from a joint graph, which
+# keep the node but not the submodule that owns the region; weak, so a region lives
+# as long as the program (the GraphModule) that owns it.
 _LIVE: "weakref.WeakValueDictionary[str, Region]" = weakref.WeakValueDictionary()
 _COUNTER = itertools.count()
 
@@ -203,42 +209,28 @@ def _is_diff(dtype) -> bool:
 
 
 class _Differentiable(fx.Interpreter):
+    """The graph with each primitive as its differentiable call (its registry entry's
+    ``autograd``)."""
+
     def call_function(self, target, args, kwargs):
-        fn = _AUTOGRAD.get(target)
+        fn = _registry.AUTOGRAD.get(target)
         if fn is not None:
             return fn(*args, **kwargs)
         return super().call_function(target, args, kwargs)
 
 
 class _Lowering(fx.Interpreter):
+    """The graph with each primitive lowered (its registry entry's ``lower``)."""
+
     def __init__(self, gm, mesh):
         super().__init__(gm)
         self.mesh = mesh
 
     def call_function(self, target, args, kwargs):
-        lower = C.LOWERINGS.get(target)
-        if lower is None:
-            from sharded.random import rewrite
-
-            lower = rewrite.LOWERINGS.get(target)
+        lower = _registry.LOWERINGS.get(target)
         if lower is not None:
             return lower(self.mesh, *args, **kwargs)
         return super().call_function(target, args, kwargs)
-
-
-# The primitives as differentiable calls (for interpreting a region under torch.func).
-_AUTOGRAD: dict = {
-    C.PVARY: lambda x, axes: C._PVary.apply(x, axes),
-    C.UNVARY: lambda x, axes: C._Unvary.apply(x, axes, C._size(_manual.current("shard_map").mesh, C._unkey(axes))),
-    C.PSUM: lambda x, axes: C._PSum.apply(x, axes),
-    C.PMAX: lambda x, axes: C._PExtreme.apply(x, axes, C.PMAX),
-    C.PMIN: lambda x, axes: C._PExtreme.apply(x, axes, C.PMIN),
-    C.ALL_GATHER: lambda *a: C._AllGather.apply(*a),
-    C.AXIS_BLOCK: lambda *a: C._Block.apply(*a),
-    C.PSUM_SCATTER: lambda *a: C._PsumScatter.apply(*a),
-    C.ALL_TO_ALL: lambda *a: C._AllToAll.apply(*a),
-    C.PPERMUTE: lambda *a: C._PPermute.apply(*a),
-}
 
 
 # -- tracing a body ---------------------------------------------------------------------------
@@ -262,7 +254,7 @@ def trace_region(fn: Callable, in_metas, boundary: Boundary, mesh, name: str,
     outer_transforms = _torch.functorch_level() > 0
     with _torch.suspend_dispatch_modes(), _torch.clear_functorch_stack():
         fake_mode = _torch.new_fake_mode()
-        device = C._mesh_device(mesh)
+        device = mesh_device(mesh)
         captured: list = []
         for _attempt in range(3):      # a second pass only if the body closes over traced values
             with fake_mode:
@@ -276,7 +268,7 @@ def trace_region(fn: Callable, in_metas, boundary: Boundary, mesh, name: str,
                 gm = make_fx(traced, tracing_mode="fake")(*fakes, *caps, state)
             except RuntimeError as e:
                 if outer_transforms and "wrapped->level() < level" in str(e):
-                    raise _closure_under_transforms(name) from None
+                    raise _manual.closure_under_transforms(name) from None
                 raise
             if not info["new_captures"]:
                 break
@@ -304,17 +296,6 @@ def trace_region(fn: Callable, in_metas, boundary: Boundary, mesh, name: str,
     )
     region.captured = captured
     return region
-
-
-def _closure_under_transforms(name) -> NotImplementedError:
-    # torch.func cannot wrap a wrapper of the enclosing program's transforms at the
-    # body's own levels (an internal assertion); see ManualContext.capture.
-    return NotImplementedError(
-        f"{name}: the body closes over a traced value and uses it only inside a "
-        f"torch.func transform of the body, while a torch.func transform encloses the "
-        f"shard_map; pass the value as an argument (with in_spec P()) instead of closing "
-        f"over it."
-    )
 
 
 def _traced_body(fn, n_in, captured, boundary, mesh, name, check_vma, fake_mode,

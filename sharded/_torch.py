@@ -18,12 +18,23 @@ from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
 )
 from torch.distributed.tensor import DTensor
 
+from sharded import _registry
+
 OpOverload = torch._ops.OpOverload
 
 
 def op_arg_names(target) -> list[str]:
     """Argument names of an op overload's schema."""
     return [a.name for a in target._schema.arguments]
+
+
+def inplace_overload(target) -> OpOverload | None:
+    """The in-place form of an aten op overload, the same overload of the packet named
+    with a trailing ``_`` (``aten.sub.Tensor`` -> ``aten.sub_.Tensor``), or None."""
+    packet = getattr(torch.ops.aten, target.overloadpacket.__name__ + "_", None)
+    if packet is None:
+        return None
+    return getattr(packet, target._overloadname, None)
 
 
 def is_mutating_op(target) -> bool:
@@ -33,18 +44,24 @@ def is_mutating_op(target) -> bool:
 # The functional collectives as they appear in traced graphs.
 c10d_functional = torch.ops._c10d_functional
 
-COLLECTIVE_OPS = {
+# torch's functional collectives, entered in the registry of primitives (NOTE [One
+# registry of primitives] in sharded/_registry.py) beside sharded's own (ppermute's
+# point-to-point op, registered in sharded/collectives.py).
+for _op, _kind in {
     c10d_functional.all_reduce.default: "all_reduce",
     c10d_functional.all_reduce_.default: "all_reduce",     # in place (NOTE [All-reduces in place])
     c10d_functional.all_gather_into_tensor.default: "all_gather",
     c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
     c10d_functional.all_to_all_single.default: "all_to_all",
     c10d_functional.broadcast.default: "broadcast",
-}
+}.items():
+    _registry.define(_op, collective=_kind)
 # DTensor's Shard(i) -> Shard(j) on CUDA meshes (gloo takes an all-gather instead): a
 # collective the fingerprint and Lowered.collectives() must see. Synchronous: no wait.
 if hasattr(torch.ops, "_dtensor") and hasattr(torch.ops._dtensor, "shard_dim_alltoall"):
-    COLLECTIVE_OPS[torch.ops._dtensor.shard_dim_alltoall.default] = "all_to_all"
+    _registry.define(torch.ops._dtensor.shard_dim_alltoall.default, collective="all_to_all")
+# op -> its kind as a collective ("all_reduce", ...): the registry's read-only view.
+COLLECTIVE_OPS = _registry.COLLECTIVES
 WAIT_OP = c10d_functional.wait_tensor.default
 
 
@@ -155,6 +172,29 @@ def make_dtensor(local: torch.Tensor, spec) -> DTensor:
     if _DTENSOR_NEW is not None:
         return _DTENSOR_NEW(DTensor, local, spec, requires_grad=local.requires_grad)
     return DTensor(local, spec, requires_grad=local.requires_grad)
+
+
+def redistribute_untracked(dt: DTensor, placements) -> DTensor:
+    """``dt.redistribute(dt.device_mesh, placements)`` without the autograd Function
+    that wraps it, for a DTensor that needs no gradient (the expander's: make_fx
+    records the dispatched ops, where the Function leaves nothing): the same
+    collectives and local ops, without the Function's per-call cost. Anything
+    else (a gradient, a target DTensor checks or normalizes) takes the public path."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+    spec = dt._spec
+    placements = tuple(placements)
+    if spec.placements == placements:
+        return dt
+    if dt.requires_grad or any(
+            (p.is_partial() and p != q) or getattr(p, "dim", 0) < 0
+            for p, q in zip(placements, spec.placements)):
+        return dt.redistribute(spec.mesh, placements)
+    target = DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+    out = redistribute_local_tensor(dt._local_tensor, spec, target, async_op=False,
+                                    is_explicit=True)
+    return make_dtensor(out, target)
 
 
 def local_shape_of(shape, placements, device_mesh) -> tuple:
@@ -611,7 +651,7 @@ def partition_joint(joint, n_fwd_outputs: int):
     from torch._functorch.partitioners import default_partition
 
     for n in joint.graph.nodes:
-        phase = n.meta.get("sharded_phase")
+        phase = n.meta.get(_registry.META_PHASE)
         if phase is not None:
             n.meta["partitioner_tag"] = "is_forward" if phase == "forward" else "is_backward"
     with warnings.catch_warnings():
@@ -623,7 +663,7 @@ def partition_joint(joint, n_fwd_outputs: int):
 
 class _Donated(torch.Tensor):
     """What a donated DTensor holds as its local tensor after the call: the metadata
-    of the old shard, and an error for every op (NOTE [Donation] in transforms/pjit.py)."""
+    of the old shard, and an error for every op (NOTE [Donation] in sharded/_program.py)."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -754,12 +794,15 @@ def compile_ahead(gm, example_inputs: list):
     # passes made in place (NOTE [All-reduces in place]: nothing reads its input
     # afterwards) goes back to its functional form, which inductor reinplaces itself.
     # The call's agreement point is a Python call inductor does not compile: it is
-    # left out, and the runner checks the agreement before it runs the compiled code.
+    # left out with its input, and the runner checks the agreement before it runs the
+    # compiled code.
     for n in list(module.graph.nodes):
         if n.op == "call_function" and n.target is c10d_functional.all_reduce_.default:
             n.target = c10d_functional.all_reduce.default
-        elif n.meta.get("sharded_agreement"):
+        elif n.meta.get(_registry.META_AGREEMENT):
+            agreement = n.args[0]           # (the program's last input: the runner keeps it)
             module.graph.erase_node(n)
+            module.graph.erase_node(agreement)
     module.recompile()
     # Fake inputs from a mode with a ShapeEnv (all shapes static): without one,
     # inductor's and AOTAutograd's on-disk caches are bypassed ("No shape env") and

@@ -44,8 +44,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from sharded import _manual, _torch
-from sharded._manual import VMA_RULES, set_vma, varying_to, vma_of
+from sharded import _manual, _registry, _torch
+from sharded._manual import set_vma, varying_to, vma_of
+from sharded.mesh import mesh_device
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
            "all_to_all", "axis_index", "axis_size", "pvary", "varying_axes"]
@@ -108,16 +109,7 @@ def _constant(values, dtype, device) -> Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def _mesh_device(mesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
 # -- primitives: definition helpers ---------------------------------------------------------
-
-LOWERINGS: dict = {}      # op overload -> lower(mesh, *args): what one rank runs
-
 
 def _eager(op_name: str, lower, *args):
     """A primitive called outside a traced body: run its lowering now."""
@@ -152,10 +144,10 @@ def _dims_vmap(op, n_dims: int):
 
 
 def _register(op, lower, vma_rule, vmap_rule=None):
-    LOWERINGS[op] = lower
-    VMA_RULES[op] = vma_rule
-    if vmap_rule is not None:
-        torch.library.register_vmap(op, vmap_rule)
+    """The primitive's lowering, varying-axes rule and vmap rule, in the registry
+    (NOTE [One registry of primitives] in sharded/_registry.py); its autograd form is
+    registered once its autograd.Function is defined."""
+    _registry.define(op, lower=lower, vma=vma_rule, vmap=vmap_rule)
 
 
 def _linear(name: str, op, transpose):
@@ -619,7 +611,7 @@ _collective_permute.register_fake(lambda x, pairs, group: torch.empty_like(x))
 COLLECTIVE_PERMUTE = torch.ops.sharded.collective_permute.default
 # The passes and the cross-rank fingerprint see it as a collective (its last
 # argument is the process group of its first axis, as for torch's collectives).
-_torch.COLLECTIVE_OPS[COLLECTIVE_PERMUTE] = "ppermute"
+_registry.define(COLLECTIVE_PERMUTE, collective="ppermute")
 
 
 def _global_pairs(mesh, axes, pairs) -> list[int]:
@@ -715,7 +707,7 @@ def axis_index(axis: str | Sequence[str]) -> Tensor:
     """This rank's coordinate along ``axis`` (for a tuple of axes, the index along
     them taken together, the first major): an int64 scalar that varies over them."""
     axes = _axes("axis_index", axis)
-    return AXIS_INDEX(_key(axes), _mesh_device(_manual.current("axis_index").mesh))
+    return AXIS_INDEX(_key(axes), mesh_device(_manual.current("axis_index").mesh))
 
 
 def varying_axes(x: Tensor) -> frozenset:
@@ -729,6 +721,24 @@ def axis_size(axis: str | Sequence[str]) -> int:
     """The number of ranks along ``axis`` (or several axes together)."""
     return _size(_manual.current("axis_size").mesh, _axes("axis_size", axis))
 
+
+# The primitives as differentiable calls (for interpreting a region's graph under
+# torch.func: sharded/_region.py).
+_registry.define(PVARY, autograd=lambda x, axes: _PVary.apply(x, axes))
+_registry.define(UNVARY, autograd=lambda x, axes: _Unvary.apply(
+    x, axes, _size(_manual.current("shard_map").mesh, _unkey(axes))))
+_registry.define(PSUM, autograd=lambda x, axes: _PSum.apply(x, axes))
+_registry.define(PMAX, autograd=lambda x, axes: _PExtreme.apply(x, axes, PMAX))
+_registry.define(PMIN, autograd=lambda x, axes: _PExtreme.apply(x, axes, PMIN))
+_registry.define(ALL_GATHER, autograd=lambda *a: _AllGather.apply(*a))
+_registry.define(AXIS_BLOCK, autograd=lambda *a: _Block.apply(*a))
+_registry.define(PSUM_SCATTER, autograd=lambda *a: _PsumScatter.apply(*a))
+_registry.define(ALL_TO_ALL, autograd=lambda *a: _AllToAll.apply(*a))
+_registry.define(PPERMUTE, autograd=lambda *a: _PPermute.apply(*a))
+
+# The implicit pvary of the manual-region tracker (NOTE [Two trackers] in
+# sharded/_manual.py): the lower layer's hook, filled here.
+_manual.set_pvary_hooks(pvary, pvary_)
 
 for _f in (psum, pmean, pmax, pmin, all_gather, psum_scatter, all_to_all, ppermute, axis_index, pvary):
     setattr(_f, "_sharded_collective", True)

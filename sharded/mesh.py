@@ -32,6 +32,15 @@ _LOCK = threading.RLock()
 _STACK = threading.local()
 
 
+def mesh_device(mesh) -> torch.device:
+    """The device a rank's tensors of ``mesh`` are made on: for a CUDA mesh this
+    process's current CUDA device (also for an abstract mesh, unlike ``Mesh.device``),
+    else the mesh's device type."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 class Mesh:
     """A named device mesh.
 

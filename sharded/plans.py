@@ -45,10 +45,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from sharded import _manual, _torch
+from sharded import _manual, _registry, _torch
 from sharded._trace_state import in_global_trace
 from sharded.mesh import Mesh, current_mesh
-from sharded.modes._expand import special_op
 from sharded.spec import P, check_spec
 
 __all__ = [
@@ -824,9 +823,9 @@ def _lay_out(x, bd: _Boundary, b: _Bound, what: str):
     bwd = None
     if src is not None and src != dst:
         bwd = Replicate() if _torch.is_partial(src) else src
-    ids = tuple(_layout_id(b.axis, p, where) for p in fwd)
-    bid = None if bwd is None else _layout_id(b.axis, bwd, where)
-    return _Layout.apply(x, ids, bid)
+    layouts = tuple(_layout(b.axis, p, where) for p in fwd)
+    back = None if bwd is None else _layout(b.axis, bwd, where)
+    return _Layout.apply(x, layouts, back)
 
 
 def _normalize(p, x, where, b: _Bound):
@@ -850,25 +849,35 @@ def _normalize(p, x, where, b: _Bound):
 
 # -- the op: a layout over one mesh axis ---------------------------------------------------
 
-_LAYOUT_IDS: dict[tuple, int] = {}
-_LAYOUTS: list[tuple] = []
+# A custom op's arguments are tensors and plain values, so the op names its placement
+# by an index into this table; the mesh axis and the text for messages are arguments
+# of the op itself, owned by the graph. The table is bounded by the distinct
+# placements (Shard of each dim, Replicate, Partial per reduce op), however many
+# plans, modules and models a process traces.
+_PLACEMENT_IDS: dict[Placement, int] = {}
+_PLACEMENTS: list[Placement] = []
 
 
-def _layout_id(axis: str, placement: Placement, where: str) -> int:
-    key = (axis, placement, where)
-    if key not in _LAYOUT_IDS:
-        _LAYOUT_IDS[key] = len(_LAYOUTS)
-        _LAYOUTS.append(key)
-    return _LAYOUT_IDS[key]
+def _placement_id(placement: Placement) -> int:
+    i = _PLACEMENT_IDS.get(placement)
+    if i is None:
+        i = _PLACEMENT_IDS[placement] = len(_PLACEMENTS)
+        _PLACEMENTS.append(placement)
+    return i
+
+
+def _layout(axis: str, placement: Placement, where: str) -> tuple:
+    """A layout over one mesh axis as the op's arguments: (axis, placement id, where)."""
+    return axis, _placement_id(placement), where
 
 
 @torch.library.custom_op("sharded::axis_layout", mutates_args=())
-def _axis_layout(x: torch.Tensor, layout_id: int) -> torch.Tensor:
+def _axis_layout(x: torch.Tensor, axis: str, placement_id: int, where: str) -> torch.Tensor:
     return x.clone()
 
 
 @_axis_layout.register_fake
-def _(x, layout_id):
+def _(x, axis, placement_id, where):
     return torch.empty_like(x)
 
 
@@ -876,48 +885,49 @@ AXIS_LAYOUT_OP = torch.ops.sharded.axis_layout.default
 
 
 class _Layout(torch.autograd.Function):
-    """Forward: the layouts ``fwd_ids`` in turn; backward: the cotangent laid out as
-    ``bwd_id`` (None: left as it comes). NOTE [A style's boundary]."""
+    """Forward: the layouts ``fwd`` in turn; backward: the cotangent laid out as
+    ``bwd`` (None: left as it comes). Each layout is ``_layout``'s (axis, placement
+    id, where). NOTE [A style's boundary]."""
 
     @staticmethod
-    def forward(x, fwd_ids, bwd_id):
-        for i in fwd_ids:
-            x = AXIS_LAYOUT_OP(x, i)
+    def forward(x, fwd, bwd):
+        for layout in fwd:
+            x = AXIS_LAYOUT_OP(x, *layout)
         return x
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.bwd_id = inputs[2]
+        ctx.bwd = inputs[2]
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.bwd_id is None:
+        if ctx.bwd is None:
             return grad, None, None
-        return _Layout.apply(grad, (ctx.bwd_id,), None), None, None
+        return _Layout.apply(grad, (ctx.bwd,), None), None, None
 
     @staticmethod
-    def vmap(info, in_dims, x, fwd_ids, bwd_id):
+    def vmap(info, in_dims, x, fwd, bwd):
         """Under torch.func.vmap the layouts name the logical dims: with the vmapped
         dim moved to the front, a split of dim d is one of physical dim d + 1."""
         if in_dims[0] is None:
-            return _Layout.apply(x, fwd_ids, bwd_id), None
+            return _Layout.apply(x, fwd, bwd), None
         x = x.movedim(in_dims[0], 0)
-        fwd = tuple(_shifted(i) for i in fwd_ids)
-        return _Layout.apply(x, fwd, None if bwd_id is None else _shifted(bwd_id)), 0
+        fwd = tuple(_shifted(layout) for layout in fwd)
+        return _Layout.apply(x, fwd, None if bwd is None else _shifted(bwd)), 0
 
 
-def _shifted(layout_id: int) -> int:
-    axis, placement, where = _LAYOUTS[layout_id]
+def _shifted(layout: tuple) -> tuple:
+    axis, placement_id, where = layout
+    placement = _PLACEMENTS[placement_id]
     if isinstance(placement, Shard):
         placement = Shard(placement.dim + 1)
-    return _layout_id(axis, placement, where)
+    return _layout(axis, placement, where)
 
 
-@special_op(AXIS_LAYOUT_OP)
 def _expand_axis_layout(ex, node, args, kwargs):
     """Redistribute to the layout over one mesh axis; the other axes keep theirs."""
-    x, layout_id = args
-    axis, placement, where = _LAYOUTS[layout_id]
+    x, axis, placement_id, where = args
+    placement = _PLACEMENTS[placement_id]
     mesh = ex.mesh
     if axis not in mesh.axis_names:
         raise ValueError(
@@ -948,6 +958,11 @@ def _expand_axis_layout(ex, node, args, kwargs):
                 f"the shapes or the style. (Uneven shards are not supported.)"
             )
     return ex.redistribute(x, target)
+
+
+# The expander's handler for the op (NOTE [One registry of primitives] in
+# sharded/_registry.py).
+_registry.define(AXIS_LAYOUT_OP, expand=_expand_axis_layout)
 
 
 # ---------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from sharded import _region, _torch, rules  # noqa: F401  (rules registers the project's shardings)
+from sharded import _region, _registry, _torch, rules  # noqa: F401  (rules registers the project's shardings)
 from sharded.api import CONSTRAINT_OP, constraint_spec
 from sharded.modes.base import Partitioned, ShardingRuleError
 from sharded.random.rewrite import RNG_OP, sample
@@ -88,8 +88,7 @@ def expand(graph: fx.GraphModule, in_placements: Sequence[tuple], out_specs: Seq
         for i, (o, spec) in enumerate(zip(outs, out_specs)):
             o = ex.as_dtensor(o)
             target = tuple(policy.output_placements(ex, i, o, spec))
-            if tuple(o.placements) != target:
-                o = o.redistribute(dm, target)
+            o = ex.redistribute(o, target)
             out_placements.append(tuple(o.placements))
             result.append(o.to_local())
         return result
@@ -120,6 +119,9 @@ class Expander(fx.Interpreter):
         self.policy = policy
         self.mode_name = mode_name
         self.node: fx.Node | None = None
+        # (id of a DTensor, placements) -> (that DTensor, it redistributed): NOTE
+        # [One redistribute per value and layout]
+        self._redistributed: dict = {}
 
     # -- the interpreter ------------------------------------------------------------
     def call_function(self, target, args, kwargs):
@@ -167,9 +169,16 @@ class Expander(fx.Interpreter):
 
     def redistribute(self, x, placements) -> DTensor:
         x = self.as_dtensor(x)
-        if tuple(x.placements) != tuple(placements):
-            x = x.redistribute(self.mesh.device_mesh, tuple(placements))
-        return x
+        placements = tuple(placements)
+        if tuple(x.placements) == placements:
+            return x
+        key = (id(x), placements)
+        done = self._redistributed.get(key)
+        if done is not None and done[0] is x:
+            return done[1]
+        y = _torch.redistribute_untracked(x, placements)
+        self._redistributed[key] = (x, y)
+        return y
 
     def locals_of(self, xs, placements) -> list:
         """This rank's shards of ``xs`` laid out as ``placements``."""
@@ -194,16 +203,29 @@ class Expander(fx.Interpreter):
         return out
 
 
+# NOTE [One redistribute per value and layout]
+# A value read by several ops is often laid out the same way for each of them (a
+# parameter shard gathered for the forward's matmul and again for the backward's):
+# the expander redistributes it once and hands the same result to every reader. CSE
+# would merge the copies afterwards (a collective is a pure op of its input), so the
+# program is the same; the trace just does not run DTensor's redistribute and record
+# its collective, wait, chunk and cat again for each copy. The key holds the value
+# itself, so an id reused by a freed tensor never hits.
+
 # -- the special ops: one handler each, for every mode ------------------------------------
 
 Handler = Callable[[Expander, fx.Node, tuple, dict], object]
-SPECIAL_OPS: dict[object, Handler] = {}
+# op -> its handler: the ``expand`` field of the registry of primitives (NOTE [One
+# registry of primitives] in sharded/_registry.py), a read-only view. The handlers
+# here are the ops of the layers below the modes; an op defined above them (a plan's
+# layout, sharded/plans.py) registers its handler where it is defined.
+SPECIAL_OPS = _registry.EXPAND
 
 
 def special_op(target):
     """Register the handler of an op that DTensor knows nothing of."""
     def register(fn: Handler) -> Handler:
-        SPECIAL_OPS[target] = fn
+        _registry.define(target, expand=fn)
         return fn
 
     return register

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from sharded import _torch
-from sharded.modes._expand import LayoutPolicy, expand, reduced
+from sharded.modes._expand import SPECIAL_OPS, LayoutPolicy, expand, reduced
 from sharded.modes._runner import check_compile
 from sharded.modes.base import ParallelMode, Partitioned
 
@@ -94,8 +94,6 @@ def reduce_where_produced(node) -> bool:
     """Should a pending sum made by ``node`` be reduced at once (NOTE [Where a pending
     reduction may travel])? Yes when several ops read it, or when every reader is an
     op that would reduce it anyway."""
-    from sharded.modes._expand import SPECIAL_OPS
-
     if len(node.users) > 1:
         return True
     return bool(node.users) and all(

@@ -120,8 +120,6 @@ def memory(gm: fx.GraphModule) -> dict:
     generated code frees it, or to the wait of a gather or reduce-scatter that reads
     it; views and in-place ops allocate nothing), with the node
     where it is reached. ``{"input_bytes", "output_bytes", "peak_bytes", "peak_node"}``."""
-    from sharded._torch import storage_key
-
     held_until_wait = (_torch.c10d_functional.reduce_scatter_tensor.default,
                        _torch.c10d_functional.all_gather_into_tensor.default)
 
@@ -133,7 +131,7 @@ def memory(gm: fx.GraphModule) -> dict:
         vals = n.meta.get("val")
         for v in vals if isinstance(vals, (list, tuple)) else [vals]:
             if isinstance(v, torch.Tensor):
-                key = storage_key(v)
+                key = _torch.storage_key(v)
                 sizes[key] = v.untyped_storage().nbytes()
                 first.setdefault(key, i)
                 last[key] = i
@@ -141,7 +139,7 @@ def memory(gm: fx.GraphModule) -> dict:
             avals = a.meta.get("val")
             for v in avals if isinstance(avals, (list, tuple)) else [avals]:
                 if isinstance(v, torch.Tensor):
-                    last[storage_key(v)] = i
+                    last[_torch.storage_key(v)] = i
     # a gather's or reduce-scatter's input is held by its work until the wait (the
     # functional all-reduce runs on a copy made when it is issued)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -150,9 +148,9 @@ def memory(gm: fx.GraphModule) -> dict:
             wait = next((u for u in n.users if u.target is _torch.WAIT_OP), None)
             val = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
             if wait is not None and isinstance(val, torch.Tensor):
-                key = storage_key(val)
+                key = _torch.storage_key(val)
                 last[key] = max(last.get(key, 0), pos[wait])
-    inputs = {storage_key(n.meta["val"]) for n in nodes
+    inputs = {_torch.storage_key(n.meta["val"]) for n in nodes
               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
     out_node = nodes[-1]
     outputs = set()
@@ -160,7 +158,7 @@ def memory(gm: fx.GraphModule) -> dict:
         avals = a.meta.get("val")
         for v in avals if isinstance(avals, (list, tuple)) else [avals]:
             if isinstance(v, torch.Tensor):
-                outputs.add(storage_key(v))
+                outputs.add(_torch.storage_key(v))
     for key in inputs | outputs:
         last[key] = len(nodes)
     allocs: dict = {}

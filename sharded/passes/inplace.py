@@ -51,7 +51,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from sharded import _torch
+from sharded import _registry, _torch
 
 
 def _storage(val):
@@ -80,7 +80,7 @@ def reinplace_foreach(gm: fx.GraphModule, fused: bool = True) -> fx.GraphModule:
             if key is not None:
                 by_storage.setdefault(key, []).append(n)
                 if n.op == "placeholder":
-                    (donated if n.meta.get("sharded_donated") else protected).add(key)
+                    (donated if n.meta.get(_registry.META_DONATED) else protected).add(key)
     out_node = next(n for n in reversed(nodes) if n.op == "output")
     for n in out_node.all_input_nodes:
         for v in _vals(n):
@@ -305,10 +305,7 @@ def _inplace_foreach(n: fx.Node):
     name = n.target.overloadpacket.__name__
     if not name.startswith("_foreach_") or name.endswith("_"):
         return None
-    packet = getattr(torch.ops.aten, name + "_", None)
-    if packet is None:
-        return None
-    return getattr(packet, n.target._overloadname, None)
+    return _torch.inplace_overload(n.target)
 
 
 def _inplace_pointwise(n: fx.Node):
@@ -321,7 +318,4 @@ def _inplace_pointwise(n: fx.Node):
     name = n.target.overloadpacket.__name__
     if name.endswith("_"):
         return None
-    packet = getattr(torch.ops.aten, name + "_", None)
-    if packet is None:
-        return None
-    return getattr(packet, n.target._overloadname, None)
+    return _torch.inplace_overload(n.target)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from sharded import sync
 from sharded.random import philox
 from sharded.random.philox import *  # noqa: F401,F403
 
@@ -60,8 +61,6 @@ def _settle(states: list, api: str) -> None:
     draw the same numbers only with the same (seed, offset): if no rank set a seed,
     all take rank 0's ``torch.initial_seed()``; any other difference is an error on
     every rank (the same decision everywhere, from the same list)."""
-    from sharded.sync import RankMismatchError
-
     seeds = [s[0] for s in states]
     if all(s is None for s in seeds):
         if len({s[1] for s in states}) == 1:
@@ -70,7 +69,7 @@ def _settle(states: list, api: str) -> None:
     elif len({(s[0], s[1]) for s in states}) == 1:
         return
     table = ", ".join(f"rank {r}: seed {s[0]!r} offset {s[1]}" for r, s in enumerate(states))
-    raise RankMismatchError(
+    raise sync.RankMismatchError(
         f"{api}: the ranks' random states differ ({table}), so they would draw different "
         f"numbers for the same elements. Call sharded.random.manual_seed(seed) with the "
         f"same seed on every rank (or on none), and the same programs in the same order."
@@ -82,8 +81,6 @@ def _agree_on_seed(mesh, api: str = "sharded.random") -> None:
     offset): a collective that every rank enters, whether its seed is set or not
     (eager random draws in a shard_map body; pjit folds the same check into its
     per-call agreement)."""
-    from sharded import sync
-
     states = sync.agree(mesh, api, sync.Outcome(0, list, _call_state()))
     if states is not None:
         _settle(states, api)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from sharded import _manual, _torch
+from sharded import _manual, _registry, _torch
 from sharded.random import philox
 
 aten = torch.ops.aten
@@ -87,8 +87,10 @@ def lower_rng_local(mesh, state, draw, shape, kind, a, b, dtype, axes, p=None):
     return sample(state[0], state[1] + draw, region, kind, a, b, dtype, p).reshape(shape)
 
 
-LOWERINGS = {RNG_LOCAL_OP: lower_rng_local}
-_manual.VMA_RULES[RNG_LOCAL_OP] = lambda args, kwargs: frozenset(x for x in args[7].split(",") if x)
+# A body's draw varies over the axes its ``axes`` argument names (NOTE [One registry of
+# primitives] in sharded/_registry.py).
+_registry.define(RNG_LOCAL_OP, lower=lower_rng_local,
+                 vma=lambda args, kwargs: frozenset(x for x in args[7].split(",") if x))
 
 
 def is_random_call(func, args, kwargs) -> bool:
@@ -154,8 +156,7 @@ def describe_call(func, args, kwargs):
 def draw_in_region(ctx, func, args, kwargs):
     """A random op met in a shard_map body (by the dispatch-level tracker): the same
     values from the counter-based generator (NOTE [Random numbers in a body])."""
-    from sharded._manual import set_vma, vma_of
-
+    set_vma, vma_of = _manual.set_vma, _manual.vma_of
     tensors = [x for x in _manual._leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     axes = frozenset().union(*(vma_of(t) for t in tensors))
     if func is aten.native_dropout.default:
@@ -186,13 +187,16 @@ def draw_in_region(ctx, func, args, kwargs):
 
 
 def _draw(ctx, kind, a, b, shape, dtype, device, p, axes):
-    from sharded._manual import _ordered, set_vma
-
     state, draw = ctx.next_draw(device)
     out = RNG_LOCAL_OP(state, draw, list(shape), kind, float(a), float(b), dtype,
-                       ",".join(_ordered(ctx.mesh, axes)), p)
-    set_vma(out, axes)
+                       ",".join(_manual._ordered(ctx.mesh, axes)), p)
+    _manual.set_vma(out, axes)
     return out
+
+
+# The manual-region tracker's draw hook (NOTE [Hooks of the manual layer] in
+# sharded/_manual.py): random calls in a shard_map body draw here.
+_manual.set_draw_hooks(is_random_call, draw_in_region)
 
 
 def sample(seed, offset, where, kind: str, a: float, b: float, dtype, p=None):
