@@ -35,7 +35,9 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from sharded import sync
 from sharded.errors import RankError
+from sharded.sync import RankFailedError, add_note
 
 __all__ = ["launch", "RankPool", "RankError"]
 
@@ -52,8 +54,6 @@ def _free_port() -> int:
 
 def _worker(rank, world, port, backend, threads, inbox, outbox):
     import torch.distributed as dist
-
-    from sharded import sync
 
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -213,8 +213,6 @@ class RankPool:
         raise self._failure(results, order, what, broken)
 
     def _failure(self, results: dict, order: list, what: str, broken: bool) -> BaseException:
-        from sharded.sync import RankFailedError, add_note
-
         def summary(r):
             status, value, _ = results[r]
             if status == "died":
