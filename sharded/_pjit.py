@@ -146,18 +146,18 @@ class Pjit:
         except Exception as e:  # noqa: BLE001 - every rank must hear about it
             outcome = e
             self._steady = None
+        agreement = None
         if grad is not None:
             states = sync.agree(mesh, self.name, outcome)
         else:       # NOTE [The agreement overlaps the program]
-            states = sync.agree_async(mesh, self.name, outcome)
+            agreement = sync.agree_async(mesh, self.name, outcome)
+            states = agreement.states
         if states is not None and entry is not None and entry.n_draws:
             srandom._settle(states, self.name)
         if grad is not None:
             return sync.run_guarded(self.name, self._run_grad, entry, leaves, mesh=mesh)
-        try:
-            return sync.run_guarded(self.name, entry.run, leaves, shards, mesh=mesh)
-        finally:
-            sync.drop_pending()
+        return sync.run_guarded(self.name, entry.run, leaves, shards, agreement, mesh=mesh,
+                                agreement=agreement)
 
     def lower(self, *args, **kwargs) -> Lowered:
         """Trace and partition for ``args`` without running (no communication). For

@@ -136,7 +136,7 @@ class Forward(Program):
         return sync.Outcome(program, lines, self.random_state(),
                             self._values(plain, leaves) if plain else ())
 
-    def _locals(self, leaves: list, plan: list) -> list:
+    def _locals(self, leaves: list, plan: list, agreement: sync.Agreement | None) -> list:
         """This rank's input tensors for the program (``plan``: per leaf, its
         placements, or None for a static leaf)."""
         locals_ = []
@@ -144,28 +144,33 @@ class Forward(Program):
             if pl is None:
                 continue
             if isinstance(leaf, DTensor) and leaf.placements != pl:
-                sync.agreed()         # (redistributing communicates: the ranks agree first)
+                sync.agreed(agreement)   # (redistributing communicates: the ranks agree first)
             locals_.append(local_input(leaf, pl, self.mesh))
-        return self._complete(locals_)
+        return self._complete(locals_, agreement)
 
-    def _complete(self, locals_: list) -> list:
-        """The inputs' shards, with donated inputs given storage of their own and this
-        call's random seed and offsets appended."""
+    def _complete(self, locals_: list, agreement: sync.Agreement | None) -> list:
+        """The inputs' shards, with donated inputs given storage of their own, this
+        call's random seed and offsets appended, and its agreement last (the program
+        checks it: NOTE [The agreement overlaps the program])."""
         if self.donated:
             _separate_donated(locals_, self.donated_local)
-        return self.with_random_inputs(locals_)
+        self.with_random_inputs(locals_).append(agreement)
+        return locals_
 
-    def run(self, leaves: list, shards: list | None = None) -> Any:
+    def run(self, leaves: list, shards: list | None = None,
+            agreement: sync.Agreement | None = None) -> Any:
         """``shards``: the tensor inputs' local shards when the caller already took
-        them (NOTE [The steady-state call])."""
-        locals_ = self._locals(leaves, self.in_plan) if shards is None else self._complete(shards)
+        them (NOTE [The steady-state call]); ``agreement``: the call's, not yet
+        checked."""
+        locals_ = self._locals(leaves, self.in_plan, agreement) if shards is None \
+            else self._complete(shards, agreement)
         if self.donated:
             try:
                 outs = iter(self.runner(*locals_))
-            except BaseException as e:
+            except BaseException:
                 # stopped by the agreement before writing anything (NOTE [The agreement
                 # overlaps the program]): the donated inputs are still the caller's
-                if not getattr(e, "agreement", False):
+                if agreement is None or not agreement.failed:
                     self._consume(leaves)
                 raise
             self._consume(leaves)
@@ -199,7 +204,7 @@ class Forward(Program):
     def forward(self, tensors: list) -> tuple[list, list]:
         """The forward program on the tensor inputs: (output DTensors, residuals)."""
         plan = [pl for pl in self.in_plan if pl is not None]
-        locals_ = self._locals(tensors, plan)
+        locals_ = self._locals(tensors, plan, None)     # (its call agreed, blocking)
         if self.donated:
             try:
                 outs = self.runner(*locals_)

@@ -290,7 +290,7 @@ def _reused_inputs(gm: fx.GraphModule, donated_local: list[int], in_paths: list[
 
 
 def _agreement_point(gm) -> None:
-    """Check the call's agreement just before the first op of the program that is not
+    """Take the call's agreement as a last input and check it just before the first op of the program that is not
     a pure aten op (a collective, an in-place write that may land in a donated input,
     any other namespace's op: DTensor's CUDA all-to-all is ``_dtensor::``), or at its
     end: NOTE [The agreement overlaps the program]. Before that point the program only
@@ -308,8 +308,10 @@ def _agreement_point(gm) -> None:
         return n.target is operator.getitem
 
     where = next(n for n in g.nodes if not local(n))     # (the output node at the latest)
+    with g.inserting_after(g.find_nodes(op="placeholder")[-1]):
+        agreement = g.placeholder("agreement")      # the call's sync.Agreement
     with g.inserting_before(where):
-        point = g.call_function(sync.agreed, ())
+        point = g.call_function(sync.agreed, (agreement,))
     point.meta[AGREEMENT] = True
 
 

@@ -24,7 +24,8 @@ Blocking on the agreement cost every call a wait with nothing to do: 0.5-3 ms of
 time on a busy machine; the step without it took 1.4 ms less CPU). Where nothing
 needs the verdict before the program starts (no random seed to settle, no input to
 redistribute, not a differentiable call), ``agree_async`` issues the same all-reduce
-without waiting, and ``agreed()`` waits for it and checks it where the program is
+without waiting and returns an ``Agreement``, which the program takes as its last
+input; ``agreed(agreement)`` waits for the verdict and checks it where the program is
 about to communicate or write: pjit puts a call to it just before the first op of
 every local program that is not a pure aten op (a collective, an in-place write that
 may land in a donated input, another namespace's op; the program's own compute
@@ -32,7 +33,7 @@ before that point overlaps the agreement), and a runner that runs inductor's cod
 calls it before that code. No collective of the program, no redistribution of an
 input and no write into a donated input happens before the verdict, so ranks that
 disagree still never meet in a wrong collective: every rank raises the same verdict
-there, and that error (marked ``agreement=True``) leaves the process groups usable,
+there, and that error (the ``Agreement`` records that it failed) leaves the process groups usable,
 the donated inputs the caller's, and the runner's count of runs (its compile checks
 are collectives at calls 1, 2, 4, ...) as it was. The price: a rank that disagrees
 computes the program's opening local ops before it raises.
@@ -73,7 +74,7 @@ import torch.distributed as dist
 from sharded import _torch
 from sharded.errors import RankFailedError, RankMismatchError  # noqa: F401  (sync.RankMismatchError: re-exported)
 
-__all__ = ["RankMismatchError", "RankFailedError", "Outcome", "agree", "agree_async", "agreed",
+__all__ = ["RankMismatchError", "RankFailedError", "Outcome", "Agreement", "agree", "agree_async", "agreed",
            "run_guarded",
            "check_usable", "publish", "release", "released", "group_for"]
 
@@ -172,41 +173,49 @@ def _verdict(issued, api: str, outcome) -> list | None:
     return _exchange(group, api, outcome)
 
 
-_PENDING = threading.local()
+class Agreement:
+    """One call's agreement as a value (NOTE [The agreement overlaps the program]):
+    ``agree_async`` returns it, the program takes it as its last input, and its
+    ``check()`` waits for the verdict where the program first communicates or writes.
+    ``states``: the random states when the verdict came at once (``agree``'s return);
+    ``failed``: the verdict was that the ranks disagree (so the call never ran: the
+    process groups stay usable and donated inputs stay the caller's)."""
+
+    __slots__ = ("_issued", "_api", "_outcome", "states", "failed")
+
+    def __init__(self, issued, api: str, outcome, states: list | None = None):
+        self._issued, self._api, self._outcome = issued, api, outcome
+        self.states = states
+        self.failed = False
+
+    def check(self) -> None:
+        """Wait for the verdict (the first time; later calls return at once). Raises
+        on every rank, as ``agree`` does, where the ranks disagree."""
+        issued = self._issued
+        if issued is None:
+            return
+        self._issued = None
+        try:
+            _verdict(issued, self._api, self._outcome)
+        except BaseException:
+            self.failed = True
+            raise
 
 
-def agree_async(mesh, api: str, outcome) -> list | None:
-    """``agree``, with the verdict checked later by ``agreed()`` where it can be (NOTE
-    [The agreement overlaps the program]): an outcome that carries random state (a
-    seed to settle) or an exception takes ``agree``'s blocking path."""
+def agree_async(mesh, api: str, outcome) -> Agreement:
+    """``agree``, with the verdict checked later, by the returned ``Agreement``, where it
+    can be (NOTE [The agreement overlaps the program]): an outcome that carries random
+    state (a seed to settle) or an exception takes ``agree``'s blocking path."""
     if mesh is None or isinstance(outcome, BaseException) or outcome.rng is not None:
-        return agree(mesh, api, outcome)
-    issued = _issue(mesh, api, outcome)
-    if issued is not None:
-        _PENDING.value = (issued, api, outcome)
-    return None
+        return Agreement(None, api, outcome, agree(mesh, api, outcome))
+    return Agreement(_issue(mesh, api, outcome), api, outcome)
 
 
-def agreed() -> None:
-    """Wait for and check the agreement that ``agree_async`` issued on this thread; a
-    no-op when none is pending. Raises on every rank, as ``agree`` does, where the
-    ranks disagree; the error carries ``agreement=True`` (``run_guarded`` then leaves
-    the process groups open: no rank is inside a collective)."""
-    pending = getattr(_PENDING, "value", None)
-    if pending is None:
-        return
-    _PENDING.value = None
-    try:
-        _verdict(*pending)      # raises where the ranks disagree
-    except BaseException as e:
-        e.agreement = True  # type: ignore[attr-defined]
-        raise
-
-
-def drop_pending() -> None:
-    """Forget an agreement that the program never reached (it failed before its first
-    collective): the all-reduce completes on its own, every rank issued it."""
-    _PENDING.value = None
+def agreed(agreement: Agreement | None) -> None:
+    """Check ``agreement`` (None: the call agreed already, blocking): the target of a
+    program's agreement point."""
+    if agreement is not None:
+        agreement.check()
 
 
 def _exchange(group, api: str, outcome) -> list:
@@ -457,21 +466,21 @@ def _finish_releasing() -> None:
         t.join(timeout=10.0)
 
 
-def run_guarded(api: str, fn, *args, mesh=None):
+def run_guarded(api: str, fn, *args, mesh=None, agreement: Agreement | None = None):
     """``fn(*args)`` (a program's run, an eager shard_map body), where a failure
     reaches every rank: a communication error caused by another rank becomes
     RankFailedError with that rank's error; this rank's own error is re-raised, and,
     unless every rank of ``mesh`` failed alike (NOTE [Failures alike]), published
-    with this rank's groups released first."""
+    with this rank's groups released first. ``agreement``: the call's, when the run
+    checks it (a verdict that the ranks disagree is raised as it is)."""
     with _LOCK:
         _STATE["calls"] += 1
         call = _STATE["calls"]
     try:
         return fn(*args)
     except BaseException as e:
-        if getattr(e, "agreement", False):
-            # every rank raises the agreement's verdict before communicating, and
-            # a rank whose program failed to build raised it before its run: this
+        if agreement is not None and agreement.failed:
+            # every rank raises the agreement's verdict before communicating: this
             # was no run (NOTE [Failures alike] counts runs alike on every rank)
             with _LOCK:
                 _STATE["calls"] -= 1

@@ -86,7 +86,7 @@ def test_torchrun_every_rank_ends_with_the_cause(kind, tmp_path):
     rank0 = tmp_path / "rank0"
     assert rank0.exists(), "rank 0 did not end on its own (torchrun killed it)\n" + out[-3000:]
     ended = rank0.read_text()
-    assert ended.startswith("sharded.sync.RankFailedError: pjit(<lambda>): "), ended
+    assert ended.startswith("sharded.errors.RankFailedError: pjit(<lambda>): "), ended
     if kind == "raise":
         assert "rank 1 failed while running its program" in ended and "IndexError" in ended, ended
         assert (tmp_path / "rank1").read_text().startswith("builtins.IndexError: index out of range"), out[-3000:]

@@ -148,6 +148,9 @@ class Runner:
         self.state = state
         self.compile_seconds: float | None = None   # inductor's compile (its first call)
         self._compiled = None
+        # a pjit forward takes its call's Agreement as its last input (NOTE [The
+        # agreement overlaps the program] in sharded/sync.py)
+        self._agreement = any(n.meta.get("sharded_agreement") for n in graph.graph.nodes)
         if state.next_check is None:
             state.next_check = 0 if budget <= 0 else FIRST_CHECK
             if compute_ops(graph) < min_ops or (budget > 0 and _fused_inplace(graph)):
@@ -172,7 +175,7 @@ class Runner:
             want = bool(flag.item())
         return want
 
-    def _switch_now(self) -> bool:
+    def _switch_now(self, agreement) -> bool:
         """Compile at this call? Yes when the ranks decided so earlier (this runner was
         rebuilt after the switch), for ``compile=True``, or when asked and agreed."""
         # where this call communicates (the check's all-reduce, the compile's
@@ -180,23 +183,24 @@ class Runner:
         # (NOTE [The agreement overlaps the program])
         st = self.state
         if st.decided == "inductor" or self.budget <= 0:
-            sync.agreed()
+            sync.agreed(agreement)
             return True
         if st.calls != st.next_check:
             return False
-        sync.agreed()
+        sync.agreed(agreement)
         st.next_check *= 2
         return self._worth_compiling()
 
     def __call__(self, *args):
         st = self.state
+        agreement, inputs = (args[-1], args[:-1]) if self._agreement else (None, args)
         if self._compiled is None and (st.next_check != -1 or st.decided == "inductor") \
-                and self._switch_now():
-            return self._first_compiled_call(args)
+                and self._switch_now(agreement):
+            return self._first_compiled_call(args, inputs)
         if self._compiled is not None:
-            sync.agreed()       # (inductor's code leaves out the graph's agreement point)
+            sync.agreed(agreement)      # (inductor's code leaves out the agreement point)
             st.calls += 1
-            return self._compiled(*args)
+            return self._compiled(*inputs)
         t0 = time.perf_counter()
         out = self.graph(*args)
         # counted once it ran: the ranks count runs alike (the compile checks at calls
@@ -206,7 +210,7 @@ class Runner:
         st.graph_seconds += time.perf_counter() - t0
         return out
 
-    def _first_compiled_call(self, args):
+    def _first_compiled_call(self, args, inputs):
         """Compile ahead of this call's run, agree on the outcome, then run: inductor's
         code when every rank compiled, else the graph on every rank (NOTE [Runners],
         "Compiling ahead")."""
@@ -216,7 +220,7 @@ class Runner:
         st.calls += 1
         t0 = time.perf_counter()
         try:
-            compiled, error = _torch.compile_ahead(self.graph, args), None
+            compiled, error = _torch.compile_ahead(self.graph, inputs), None
         except Exception as e:  # noqa: BLE001 - nothing ran: every failure is a failed compile
             compiled, error = None, f"{type(e).__name__}: {str(e)[:300]}"
         seconds = time.perf_counter() - t0
@@ -235,7 +239,7 @@ class Runner:
             return self.graph(*args)
         self._compiled = compiled
         self.compile_seconds = seconds
-        return compiled(*args)
+        return compiled(*inputs)
 
 
 def _fused_inplace(graph: fx.GraphModule) -> bool:
