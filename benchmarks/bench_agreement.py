@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from benchmarks._models import median_ms  # noqa: E402
 from sharded import Mesh, P, launch, shard, sync  # noqa: E402
 from sharded.modes import DTensorExpandMode  # noqa: E402
-from transforms import pjit  # noqa: E402
+from sharded import pjit  # noqa: E402
 
 
 def _median_us(fn, iters: int) -> float:

@@ -44,7 +44,7 @@ from examples import gpt  # noqa: E402
 def _child(a: dict) -> dict:
     from sharded import Mesh, P, optim
     from sharded.modes import DataParallelMode
-    from transforms import pjit
+    from sharded import pjit
 
     torch.set_num_threads(1)
     mesh = Mesh((1,), ("dp",))

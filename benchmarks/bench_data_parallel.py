@@ -176,7 +176,7 @@ def _build(mode: str, spec: dict, world: int, rank: int):
 
     from sharded import Mesh, P, optim
     from sharded.modes import DataParallelMode
-    from transforms import pjit
+    from sharded import pjit
 
     x, y = spec["batch"]
     local = tuple(t.chunk(world)[rank] for t in (x, y))
@@ -257,7 +257,7 @@ def _build(mode: str, spec: dict, world: int, rank: int):
 def _compile_times(spec: dict, world: int) -> dict:
     from sharded import Mesh, P, optim
     from sharded.modes import DataParallelMode, DTensorExpandMode
-    from transforms import pjit
+    from sharded import pjit
 
     mesh = Mesh((world,), ("dp",))
     x, y = spec["batch"]

@@ -34,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks._models import git_rev, timed_interleaved, write_result  # noqa: E402
 from sharded import Mesh, P  # noqa: E402
 from sharded.modes import DTensorExpandMode  # noqa: E402
-from transforms import pjit  # noqa: E402
+from sharded import pjit  # noqa: E402
 
 
 def main():

@@ -58,7 +58,7 @@ def _rank_main(a: dict) -> dict:
     from sharded import Mesh, P, gather, optim, shard
     from sharded.modes import DTensorExpandMode
     from sharded.plans import parallelize
-    from transforms import pjit
+    from sharded import pjit
 
     world = dist.get_world_size()
     cfg = gm.Config(vocab=a["vocab"], d_model=a["d_model"], n_heads=a["heads"],

@@ -73,7 +73,7 @@ def _rank_main(a: dict) -> dict:
     from benchmarks._models import GPTModule, module_loss, train_step_reduced_grads
     from sharded import Mesh, P, gather, optim, shard
     from sharded.modes import DTensorExpandMode
-    from transforms import pjit
+    from sharded import pjit
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if a["model"] == "mlp":

@@ -243,7 +243,7 @@ def _random_draws(mesh, compile: bool):
     from sharded import P, gather, shard
     from sharded import random as srandom
     from sharded.modes import DTensorExpandMode
-    from transforms import pjit
+    from sharded import pjit
 
     x = shard(torch.ones(4, 6, device=mesh.device), P("dp"), mesh)
     f = pjit(_random_fn, in_specs=P("dp"), mesh=mesh, mode=DTensorExpandMode(compile=compile))
@@ -307,7 +307,7 @@ def make_row(row: str, mesh, cfg, params, ids, tgt, compile_backend: str):
     state and synchronises the device; ``loss()`` is the loss of the last step."""
     from sharded import P, gather, optim, shard
     from sharded.modes import DTensorExpandMode
-    from transforms import pjit
+    from sharded import pjit
 
     device = mesh.device
     st: dict = {}

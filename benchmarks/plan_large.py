@@ -49,7 +49,7 @@ def models(layers: int | None) -> dict:
 def plan(name: str, spec: dict, layouts: list[str], rank: int) -> list[dict]:
     from sharded import Mesh, P, optim
     from sharded.modes import DataParallelMode
-    from transforms import pjit
+    from sharded import pjit
 
     cfg = spec["cfg"]
     mesh = Mesh.abstract(spec["mesh"], ("dp", "tp"), rank=rank)

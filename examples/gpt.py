@@ -158,7 +158,7 @@ def opt_specs(param_specs):
 
 def _check_on_rank(mode: str, sdpa: bool, steps: int = 2):
     from sharded import Mesh, gather, shard
-    from transforms import pjit
+    from sharded import pjit
 
     cfg = tiny(sdpa=sdpa)
     params = init_params(cfg, 0)

@@ -216,7 +216,7 @@ def pattern_batch(cfg: Config, batch_size: int):
 def main(plan: str, dp: int, tp: int, steps: int, batch_size: int, lr: float):
     from sharded import Mesh, gather, shard
     from sharded.plans import parallelize
-    from transforms import pjit
+    from sharded import pjit
 
     mesh = Mesh((dp, tp), ("dp", "tp"))
     cfg = Config()

@@ -49,7 +49,7 @@ from sharded import Mesh, P, checkpoint, from_local_data, gather, optim  # noqa:
 from sharded import random as srandom  # noqa: E402
 from sharded.modes import DataParallelMode  # noqa: E402
 from sharded.plans import parallelize  # noqa: E402
-from transforms import pjit  # noqa: E402
+from sharded import pjit  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from sharded import Mesh, P, gather, launch
 from sharded import collectives as C
-from transforms import pjit, shard_map
+from sharded import pjit, shard_map
 
 SPEC = P(None, None, "sp", None)         # [batch, heads, seq, head_dim]: seq over "sp"
 

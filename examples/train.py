@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpt  # noqa: E402  (examples/gpt.py)
 from sharded import Mesh, P, gather, launch, optim, shard  # noqa: E402
-from transforms import pjit  # noqa: E402
+from sharded import pjit  # noqa: E402
 
 
 def pattern_batch(cfg, batch_size: int):
