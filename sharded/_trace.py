@@ -27,6 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sharded import _region, _torch
+from sharded._registry import META_PHASE
 from sharded.errors import CapturedStateError, TracingError
 from sharded.sync import add_note
 from sharded._trace_state import global_trace as _global_trace, in_global_trace  # noqa: F401
@@ -189,12 +190,12 @@ def _finish_joint(gm: fx.GraphModule, info: JointInfo) -> None:
         if n.op == "call_function" and n.target is COTANGENT_OP:
             phase = "backward"
             cotangents.append(n)
-        n.meta["sharded_phase"] = phase
+        n.meta[META_PHASE] = phase
     for k, n in enumerate(cotangents):
         with g.inserting_after(last_input):
             ph = g.placeholder(f"tangents_{k + 1}")
         ph.meta["val"] = n.meta["val"]
-        ph.meta["sharded_phase"] = "backward"
+        ph.meta[META_PHASE] = "backward"
         n.replace_all_uses_with(ph)
         g.erase_node(n)
         last_input = ph
@@ -234,7 +235,7 @@ _VIEW_OPS = frozenset({
 def _views_in_backward(g: fx.Graph) -> None:
     """NOTE [Views are recomputed in the backward]."""
     first_bw = next((n for n in g.nodes if n.op == "call_function"
-                     and n.meta.get("sharded_phase") == "backward"), None)
+                     and n.meta.get(META_PHASE) == "backward"), None)
     if first_bw is None:
         return
     copies: dict = {}
@@ -249,11 +250,11 @@ def _views_in_backward(g: fx.Graph) -> None:
             if not (isinstance(val, torch.Tensor) and val.is_contiguous()):
                 continue             # (saved values reach the backward contiguous)
         bw_users = [u for u in n.users if u.op == "call_function"
-                    and u.meta.get("sharded_phase") == "backward"]
+                    and u.meta.get(META_PHASE) == "backward"]
         with g.inserting_before(first_bw):
             copy = g.node_copy(n, lambda a: copies.get(a, a))
         copy.meta = dict(n.meta)
-        copy.meta["sharded_phase"] = "backward"
+        copy.meta[META_PHASE] = "backward"
         copies[n] = copy
         for u in bw_users:
             u.replace_input_with(n, copy)

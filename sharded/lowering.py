@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from sharded import _torch, _tree, sync
+from sharded._registry import META_AGREEMENT, META_DONATED, META_KIND, META_PATH
 from sharded._arguments import Arguments, Signature, tensor_inputs
 from sharded._fingerprint import ambient_text, fmt_meta, program_lines, stable_repr
 from sharded._program import Backward, Forward, mesh_device
@@ -37,9 +38,6 @@ from sharded.passes import fingerprint, unalias_outputs
 from sharded.random.rewrite import rewrite_random_ops
 from sharded.rules.losses import mean_losses_as_sums
 from sharded.spec import P, from_placements, to_placements
-
-# node.meta keys this module writes
-PATH, KIND, DONATED, AGREEMENT = "sharded_path", "sharded_kind", "sharded_donated", "sharded_agreement"
 
 
 @dataclass
@@ -57,7 +55,7 @@ class LocalProgram:
 def lower_graph(gm: fx.GraphModule, mode: ParallelMode, mesh, in_placements: list,
                 out_specs: list, *, name: str, n_out: int | None = None,
                 donated: list[int] = (), agreement_point: bool = False) -> LocalProgram:
-    """Rewrite, partition and pass ``gm`` (placeholders named by ``meta[PATH]``).
+    """Rewrite, partition and pass ``gm`` (placeholders named by ``meta[META_PATH]``).
     ``out_specs``: a P or None per output (None: the mode decides); ``n_out``: the
     outputs that are the user's (the rest are residuals for a backward); ``donated``:
     indices of the inputs whose storage the program may write (NOTE [Donation] in
@@ -69,7 +67,7 @@ def lower_graph(gm: fx.GraphModule, mode: ParallelMode, mesh, in_placements: lis
     rng = [to_placements(P(), mesh)] * 2 if n_draws else []     # seed, offset
     placeholders = gm.graph.find_nodes(op="placeholder")
     for node, path in zip(placeholders[len(placeholders) - len(rng):], ["rng seed", "rng offset"]):
-        node.meta[PATH] = path
+        node.meta[META_PATH] = path
     out_vals = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
     n_saved = len(out_vals) - len(out_specs)
 
@@ -82,7 +80,7 @@ def lower_graph(gm: fx.GraphModule, mode: ParallelMode, mesh, in_placements: lis
             part = mode.partition(gm, list(in_placements) + rng, list(out_specs) + res_specs, mesh)
     local_placeholders = part.graph.graph.find_nodes(op="placeholder")
     for k in donated:                       # NOTE [Writing into donated inputs]
-        local_placeholders[k].meta[DONATED] = True
+        local_placeholders[k].meta[META_DONATED] = True
 
     # -- the mode's passes -------------------------------------------------------------
     t1 = time.perf_counter()
@@ -141,7 +139,7 @@ def build_forward(arguments: Arguments, mode: ParallelMode, sig: Signature, args
                  if isinstance(v, torch.Tensor)]
     n_out = len(out_specs)
     for node, path in zip(global_gm.graph.find_nodes(op="placeholder"), inp.paths):
-        node.meta[PATH] = path
+        node.meta[META_PATH] = path
     donated = arguments.donated_leaves(args, sig.static_argnums, inp.dyn_kw, sig.leaves)
     donated_local = [tensor_leaf[:j].count(True) for j in donated]
     low = lower_graph(global_gm, mode, mesh, inp.placements, out_specs, name=name, n_out=n_out,
@@ -220,10 +218,10 @@ def build_backward(gm, joint, mode: ParallelMode, fwd: LocalProgram, out_vals, o
     sources = [(f"residual {v.name}", n_out + k) for k, v in enumerate(res_vals)]
     sources += [(f"cotangent of {out_paths[i]}", i) for i in diff]
     for node, (path, k) in zip(placeholders, sources):
-        node.meta[PATH] = path
+        node.meta[META_PATH] = path
         kind = kinds.get(f"output[{k}]")
         if kind is not None:       # DataParallelMode: batch or state, as in the forward
-            node.meta[KIND] = kind[0]
+            node.meta[META_KIND] = kind[0]
     name = f"{fwd_name} backward"
     grad_specs = [from_placements(in_placements[i], mesh, metas[i].ndim) for i in joint.grad_in]
     low = lower_graph(gm, mode, mesh, in_pl, grad_specs, name=name)
@@ -312,7 +310,7 @@ def _agreement_point(gm) -> None:
         agreement = g.placeholder("agreement")      # the call's sync.Agreement
     with g.inserting_before(where):
         point = g.call_function(sync.agreed, (agreement,))
-    point.meta[AGREEMENT] = True
+    point.meta[META_AGREEMENT] = True
 
 
 def _plain_residual_specs(placements: list, vals: list, mesh) -> list | None:

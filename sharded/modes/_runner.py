@@ -74,7 +74,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from sharded import _torch, sync
+from sharded import _registry, _torch, sync
 
 FAILED = "graph (compile failed)"
 
@@ -150,7 +150,7 @@ class Runner:
         self._compiled = None
         # a pjit forward takes its call's Agreement as its last input (NOTE [The
         # agreement overlaps the program] in sharded/sync.py)
-        self._agreement = any(n.meta.get("sharded_agreement") for n in graph.graph.nodes)
+        self._agreement = any(n.meta.get(_registry.META_AGREEMENT) for n in graph.graph.nodes)
         if state.next_check is None:
             state.next_check = 0 if budget <= 0 else FIRST_CHECK
             if compute_ops(graph) < min_ops or (budget > 0 and _fused_inplace(graph)):
