@@ -35,13 +35,6 @@ def local_input(x: torch.Tensor, placements, mesh) -> torch.Tensor:
     return local_slice(x.detach() if x.requires_grad else x, placements, mesh)
 
 
-def mesh_device(mesh) -> torch.device:
-    """The device this rank's programs run on (random seeds and offsets live there)."""
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
 @dataclass(eq=False, kw_only=True)
 class Program:
     """What every program has: its global (single-device) and local (this rank's)
@@ -270,7 +263,7 @@ class Backward(Program):
 # NOTE [Donation]
 # ``donate_argnums``/``donate_argnames`` name arguments whose DTensors the call
 # consumes, as in JAX: the program may compute its outputs in their storage. pjit
-# marks the donated inputs of the per-rank program (``meta["sharded_donated"]``) before
+# marks the donated inputs of the per-rank program (``meta[META_DONATED]``) before
 # the passes, and ``reinplace_foreach`` (NOTE [Writing into donated inputs] in
 # sharded/passes/inplace.py) turns the update chains that end in an output of the same
 # shape, dtype and strides into in-place ops on the donated storage: a train step

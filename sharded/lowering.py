@@ -31,8 +31,9 @@ from sharded import _torch, _tree, sync
 from sharded._registry import META_AGREEMENT, META_DONATED, META_KIND, META_PATH
 from sharded._arguments import Arguments, Signature, tensor_inputs
 from sharded._fingerprint import ambient_text, fmt_meta, program_lines, stable_repr
-from sharded._program import Backward, Forward, mesh_device
+from sharded._program import Backward, Forward
 from sharded._trace import mutated_inputs, trace_global
+from sharded.mesh import mesh_device
 from sharded.modes import ParallelMode
 from sharded.passes import fingerprint, unalias_outputs
 from sharded.random.rewrite import rewrite_random_ops
