@@ -1,4 +1,4 @@
-"""sharded/rules/losses.py: a mean loss becomes a sum over its total weight, with the
+"""sharded/rewrites/losses.py: a mean loss becomes a sum over its total weight, with the
 same bits on one device (the split runs are in test_data_parallel.py)."""
 
 import torch
@@ -7,7 +7,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import pytest
 
-from sharded.rules.losses import COUNTED_OPS, MEAN, MEAN_IS_GLOBAL, mean_losses_as_sums
+from sharded.rewrites.losses import COUNTED_OPS, MEAN, MEAN_IS_GLOBAL, mean_losses_as_sums
 
 
 def test_mean_losses_as_sums_keeps_the_bits():

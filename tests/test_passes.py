@@ -545,3 +545,28 @@ def test_gradient_buckets_do_not_depend_on_the_optimizer():
         # every gradient once, and a few scalars (the loss's count of targets)
         for mname in modes:
             assert n <= reduced[mname, oname] <= n + 4, reduced
+
+
+def test_pass_lists_are_declared_in_order():
+    """NOTE [Pass order]: each mode's passes are one declared list, the shared cleanup
+    first and the reinplacing last; a list that puts a pass before one it must follow
+    is refused where the mode class is defined."""
+    import pytest
+
+    from sharded.modes import DataParallelMode, DTensorExpandMode
+    from sharded.modes.base import CLEANUP, check_order
+
+    names = [p.name for p in DataParallelMode.passes]
+    assert names[:len(CLEANUP)] == [p.name for p in CLEANUP] == [
+        "remove_trivial_collectives", "remove_identity_views", "untie_shape_reads", "dce", "cse"]
+    assert [p.name for p in DTensorExpandMode.passes] == [
+        *names[:len(CLEANUP)], "count_targets_early", "hoist_reductions", "bucket_all_reduces",
+        "sink_waits", "reinplace_foreach"]
+    assert names[-1] == "reinplace_foreach"
+    swapped = list(DataParallelMode.passes)
+    i, j = names.index("count_targets_early"), names.index("hoist_reductions")
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    with pytest.raises(ValueError, match="'hoist_reductions' must come after.*count_targets_early"):
+        check_order(swapped, "test")
+    with pytest.raises(ValueError, match="must come after"):
+        type("Reversed", (DTensorExpandMode,), {"passes": tuple(reversed(DTensorExpandMode.passes))})

@@ -6,8 +6,8 @@ functionalized) into the program one rank runs, in two steps:
 - ``partition(graph, in_placements, out_specs, mesh)``: choose layouts for every
   value and expand the graph for THIS rank (local shapes, rank-dependent constants,
   collectives). Returns a ``Partitioned``.
-- ``transform_and_compile(local_graph, mesh)``: mode-specific passes on the local
-  graph (at least dead-code elimination); ``runner(graph)`` gives what runs it each
+- ``transform_and_compile(local_graph, mesh)``: the mode's pass list (``passes``,
+  NOTE [Pass order]) on the local graph; ``runner(graph)`` gives what runs it each
   call: the graph, or inductor's code for it, as the mode's ``compile`` says
   (``False``, ``True`` or ``"auto"``, the default: NOTE [Runners] in
   ``sharded/modes/_runner.py``).
@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch.fx as fx
 from torch.distributed.tensor import Placement
 
 from sharded.errors import ShardingRuleError
 from sharded.modes._runner import make_runner
-from sharded.passes import (bucket_all_reduces, count_targets_early, cse, dce, hoist_reductions,
-                            reinplace_foreach, remove_identity_views, remove_trivial_collectives,
-                            sink_waits, untie_shape_reads)
+from sharded.passes import (bucket_all_reduces, cse, dce, hoist_reductions, reinplace_foreach,
+                            remove_identity_views, remove_trivial_collectives, sink_waits,
+                            untie_shape_reads)
+from sharded.rewrites.losses import count_targets_early
 
 
 @dataclass
@@ -45,11 +46,91 @@ class Partitioned:
     layouts: dict | None = None
 
 
+# NOTE [Pass order]
+# A mode's passes on its local graph are one tuple of named passes, ``passes``, run in
+# order by ``run_passes``. Each pass states beside it the passes that must run before
+# it where the list has them (``after``; ``check_order`` enforces it when a mode class
+# is defined), and ``when`` the modes that run it (DataParallelMode's "shard" steps).
+# Every mode starts with CLEANUP and ends with SCHEDULE's reinplacing; the
+# communication schedule between them is the mode's.
+
+@dataclass(frozen=True)
+class Pass:
+    """One entry of a pass list: ``run(graph, mode) -> graph``."""
+
+    name: str
+    run: Callable[[fx.GraphModule, "ParallelMode"], fx.GraphModule]
+    after: tuple[str, ...] = ()           # passes that must come before it, where listed
+    when: Callable[["ParallelMode"], bool] | None = None    # None: every mode runs it
+
+
+# what the expansion leaves: size-1 collectives, identity views, like-factories that
+# wait for their input, dead and duplicate nodes
+CLEANUP = (
+    Pass("remove_trivial_collectives", lambda g, m: remove_trivial_collectives(g)),
+    Pass("remove_identity_views", lambda g, m: remove_identity_views(g)),
+    Pass("untie_shape_reads", lambda g, m: untie_shape_reads(g)),
+    # drops what the three above left unread
+    Pass("dce", lambda g, m: dce(g),
+         after=("remove_trivial_collectives", "remove_identity_views", "untie_shape_reads")),
+    Pass("cse", lambda g, m: cse(g), after=("dce",)),
+)
+# a loss's count of targets from the targets (sharded/rewrites/losses.py), then every
+# reduction issued as soon as its input exists: the count's all-reduce halfway
+# through the forward, each gradient's where it is produced (NOTE [Overlap])
+EARLY_REDUCTIONS = (
+    Pass("count_targets_early", lambda g, m: count_targets_early(g), after=("cse",)),
+    Pass("hoist_reductions", lambda g, m: hoist_reductions(g), after=("count_targets_early",)),
+)
+# the optimizer's multi-tensor ops and all-reduces in place where nothing else reads
+# their inputs (after the buckets: a bucket's all-reduce runs in its own flat copy)
+REINPLACE = Pass("reinplace_foreach", lambda g, m: reinplace_foreach(g, fused=m.compile is not True),
+                 after=("bucket_all_reduces", "sink_waits"))
+
+
+def check_order(passes: Sequence[Pass], owner: str = "") -> None:
+    """Raise if a pass comes before one it must follow (NOTE [Pass order]) or a name
+    is listed twice."""
+    seen: dict[str, int] = {}
+    for i, p in enumerate(passes):
+        if p.name in seen:
+            raise ValueError(f"{owner} pass list: {p.name!r} is listed twice.")
+        seen[p.name] = i
+    for p in passes:
+        late = [a for a in p.after if a in seen and seen[a] > seen[p.name]]
+        if late:
+            raise ValueError(f"{owner} pass list: {p.name!r} must come after {late}.")
+
+
+def run_passes(graph: fx.GraphModule, passes: Sequence[Pass], mode: "ParallelMode") -> fx.GraphModule:
+    """``passes`` in order on ``graph`` (those whose ``when`` holds for ``mode``), then
+    one lint and one recompile (the passes only edit ``graph.graph``)."""
+    for p in passes:
+        if p.when is None or p.when(mode):
+            graph = p.run(graph, mode)
+    graph.graph.lint()      # a pass that moved a node before its input fails here
+    graph.recompile()
+    return graph
+
+
 class ParallelMode(abc.ABC):
     """Interface of a parallel mode (see the module docstring)."""
 
     name: str = "ParallelMode"
     compile: bool | str = "auto"      # NOTE [Runners]
+    # NOTE [Pass order]: cleanup, the loss's count and the reductions early, all-reduces
+    # bucketed, waits sunk to the first use, then in place
+    passes: tuple[Pass, ...] = (
+        *CLEANUP,
+        *EARLY_REDUCTIONS,
+        Pass("bucket_all_reduces", lambda g, m: bucket_all_reduces(g), after=("hoist_reductions",)),
+        Pass("sink_waits", lambda g, m: sink_waits(g), after=("bucket_all_reduces",)),
+        REINPLACE,
+    )
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        check_order(cls.passes, cls.__name__)
 
     @abc.abstractmethod
     def partition(
@@ -65,18 +146,8 @@ class ParallelMode(abc.ABC):
         None to keep the propagated layout."""
 
     def transform_and_compile(self, graph: fx.GraphModule, mesh) -> fx.GraphModule:
-        """Default passes: drop size-1 collectives and identity views, untie reads of
-        shapes only, DCE, CSE, count a loss's targets early, bucket all-reduces, sink
-        waits so collectives overlap with compute, and run the optimizer's
-        multi-tensor ops and all-reduces in place where nothing else reads their
-        inputs."""
-        graph = cse(dce(untie_shape_reads(remove_identity_views(remove_trivial_collectives(graph)))))
-        graph = hoist_reductions(count_targets_early(graph))
-        graph = reinplace_foreach(sink_waits(bucket_all_reduces(graph)),
-                                  fused=self.compile is not True)
-        graph.graph.lint()      # a pass that moved a node before its input fails here
-        graph.recompile()
-        return graph
+        """The mode's pass list on its local graph (NOTE [Pass order])."""
+        return run_passes(graph, self.passes, self)
 
     def runner(self, graph: fx.GraphModule, name: str | None = None, mesh=None, state=None):
         """What runs the local graph each call: the graph itself, or inductor's code

@@ -54,19 +54,22 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from sharded import _torch
 from sharded.modes._expand import RNG_OP, SPECIAL_OPS, LayoutPolicy, expand
 from sharded.modes._runner import check_compile
-from sharded.modes.base import ParallelMode, Partitioned
+from sharded.modes.base import CLEANUP, EARLY_REDUCTIONS, REINPLACE, ParallelMode, Partitioned, Pass
 from sharded.modes.dtensor_expand import _ADDITIVE, _LINEAR_IN_PARTIAL, reduce_where_produced
 from sharded.passes import (DEFAULT_BUCKET_BYTES, bound_reduce_scatters, bucket_all_gathers,
-                            bucket_all_reduces, bucket_reduce_scatters, count_targets_early, cse,
-                            dce, hoist_reductions, prefetch_all_gathers, regather_distant_uses,
-                            reinplace_foreach, remove_identity_views, remove_trivial_collectives,
-                            sink_waits, untie_shape_reads)
+                            bucket_all_reduces, bucket_reduce_scatters, prefetch_all_gathers,
+                            regather_distant_uses, sink_waits)
 from sharded.spec import P, from_placements, to_placements
 
 _F = _torch.c10d_functional
 
 _SHARDINGS = ("replicate", "shard")
 _EXPAND = torch.ops.aten.expand.default
+
+
+def _sharded(mode) -> bool:
+    """Does ``mode`` shard state (the passes of FSDP's schedule)?"""
+    return mode.param_sharding == "shard"
 
 
 class DataParallelMode(ParallelMode):
@@ -197,28 +200,31 @@ class DataParallelMode(ParallelMode):
         return tuple(out)
 
     # -- passes ------------------------------------------------------------------------------
-    def transform_and_compile(self, graph: fx.GraphModule, mesh) -> fx.GraphModule:
-        """Cleanup, CSE, then the communication schedule (NOTE [Bucketing], NOTE
-        [Overlap]): gradient reductions bucketed in backward order (all-reduces, or
-        reduce-scatters for ``"shard"``, by unit, one in flight), parameter
-        gathers bucketed by unit in use order and prefetched ``prefetch`` buckets
-        ahead, waits sunk to the first use."""
-        graph = cse(dce(untie_shape_reads(remove_identity_views(remove_trivial_collectives(graph)))))
-        if self.param_sharding == "shard":
-            graph = regather_distant_uses(graph)
-        graph = hoist_reductions(count_targets_early(graph))
-        if self.param_sharding == "shard":
-            graph = bucket_reduce_scatters(graph, self.bucket_bytes)
-            graph = bucket_all_gathers(graph, self.bucket_bytes)
-        graph = bucket_all_reduces(graph, self.bucket_bytes)
-        graph = sink_waits(graph)
-        if self.param_sharding == "shard":
-            graph = bound_reduce_scatters(graph, inflight=1)
-            graph = prefetch_all_gathers(graph, self.prefetch)
-        graph = reinplace_foreach(graph, fused=self.compile is not True)
-        graph.graph.lint()
-        graph.recompile()
-        return graph
+    # NOTE [Pass order] in base.py; the communication schedule of NOTE [Bucketing] and
+    # NOTE [Overlap]: gradient reductions bucketed in backward order (all-reduces, or
+    # reduce-scatters for "shard", by unit, one in flight), parameter gathers bucketed
+    # by unit in use order and prefetched ``prefetch`` buckets ahead, waits sunk to the
+    # first use
+    passes = (
+        *CLEANUP,
+        # (after cse: it merged the forward's and the backward's gather of a weight)
+        Pass("regather_distant_uses", lambda g, m: regather_distant_uses(g), after=("cse",),
+             when=_sharded),
+        *EARLY_REDUCTIONS,
+        Pass("bucket_reduce_scatters", lambda g, m: bucket_reduce_scatters(g, m.bucket_bytes),
+             after=("hoist_reductions",), when=_sharded),
+        Pass("bucket_all_gathers", lambda g, m: bucket_all_gathers(g, m.bucket_bytes),
+             after=("regather_distant_uses",), when=_sharded),
+        Pass("bucket_all_reduces", lambda g, m: bucket_all_reduces(g, m.bucket_bytes),
+             after=("hoist_reductions",)),
+        Pass("sink_waits", lambda g, m: sink_waits(g),
+             after=("bucket_reduce_scatters", "bucket_all_gathers", "bucket_all_reduces")),
+        Pass("bound_reduce_scatters", lambda g, m: bound_reduce_scatters(g, inflight=1),
+             after=("sink_waits",), when=_sharded),
+        Pass("prefetch_all_gathers", lambda g, m: prefetch_all_gathers(g, m.prefetch),
+             after=("sink_waits",), when=_sharded),
+        REINPLACE,
+    )
 
 
 def _path(node: fx.Node) -> str:

@@ -78,7 +78,6 @@ import torch.fx as fx
 
 from sharded import _torch
 from sharded.passes.cleanup import _is_pure
-from sharded.rules.losses import MEAN, SUM
 
 _F = _torch.c10d_functional
 _ALL_REDUCE = _F.all_reduce.default
@@ -296,7 +295,7 @@ def _merge(gm: fx.GraphModule, bucket: list[fx.Node]) -> None:
         anchor = bucket[0]
         order = {n: i for i, n in enumerate(g.nodes)}
         for n in bucket[1:]:
-            _move(n.args[0], anchor, order)
+            move_before(n.args[0], anchor, order)
     else:
         anchor = bucket[-1]
     n_ranks = _group_size(anchor)
@@ -346,7 +345,7 @@ def _merge(gm: fx.GraphModule, bucket: list[fx.Node]) -> None:
         g.erase_node(n)
 
 
-def _move(node, anchor: fx.Node, order: dict) -> bool:
+def move_before(node, anchor: fx.Node, order: dict) -> bool:
     """Move ``node`` (and the pure ops it needs) up to just before ``anchor``, if it is
     not there already; False if something it needs cannot move (a collective, a wait,
     a random or mutating op)."""
@@ -355,7 +354,7 @@ def _move(node, anchor: fx.Node, order: dict) -> bool:
     if node.op != "call_function" or not _is_pure(node.target) or node.target in _torch.COLLECTIVE_OPS \
             or node.target is _WAIT:
         return False
-    if not all(_move(a, anchor, order) for a in node.all_input_nodes):
+    if not all(move_before(a, anchor, order) for a in node.all_input_nodes):
         return False
     anchor.prepend(node)
     order[node] = order[anchor] - 0.5
@@ -388,60 +387,6 @@ def hoist_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             # then be placed before its own input
             pos = {m: i for i, m in enumerate(gm.graph.nodes)}
         anchor = n
-    return gm
-
-
-_NLL_FORWARD = aten.nll_loss_forward.default
-
-
-def count_targets_early(gm: fx.GraphModule) -> fx.GraphModule:
-    """A mean cross-entropy over a split batch divides by the number of counted
-    targets on every rank (``nll_loss_forward``'s second result, all-reduced; NOTE [A
-    mean over a split batch]): its backward cannot start before that all-reduce is
-    back, and computed by the loss it is issued only at the end of the forward, a
-    wait on the other rank in the middle of every step. Without class weights it is the number of targets other than
-    ``ignore_index``, so it is computed from the targets themselves:
-    ``(target != ignore_index).sum()`` in the loss's dtype, the same count (exact in
-    float32 below 2**24), halfway between where the targets exist and where the loss
-    reads it, and ``hoist_reductions`` issues its all-reduce there: the second half
-    of the forward overlaps it, and the first half the call's agreement, which pjit
-    checks before the program's first collective (NOTE [The agreement overlaps the
-    program]; at the program's start the check waited for it at once: gpt-tiny's
-    step read 1.11-1.13x DDP's time there against 0.92-1.09x halfway, three runs
-    each). Run before ``hoist_reductions``."""
-    g = gm.graph
-    nodes = list(g.nodes)
-    inputs = [n for n in nodes if n.op == "placeholder"]
-    for n in nodes:
-        if n.op != "call_function" or n.target is not _NLL_FORWARD or len(n.args) != 5:
-            continue
-        x, target, weight, reduction, ignore = n.args
-        counts = [u for u in n.users if u.target is operator.getitem and u.args[1] == 1]
-        tval = target.meta.get("val") if isinstance(target, fx.Node) else None
-        cval = counts[0].meta.get("val") if counts else None
-        if weight is not None or reduction not in (MEAN, SUM) or len(counts) != 1 \
-                or not isinstance(tval, torch.Tensor) or not isinstance(cval, torch.Tensor) \
-                or not any(u.target in _torch.COLLECTIVE_OPS for u in counts[0].users):
-            continue
-        # the targets as early as they can be (moved up with the views that make them
-        # from an input), the count halfway from there to the loss
-        start = inputs[-1].next if inputs else nodes[0]
-        order = {m: i for i, m in enumerate(g.nodes)}
-        where = start if _move(target, start, order) else target.next
-        order = {m: i for i, m in enumerate(g.nodes)}
-        where = max(where, list(g.nodes)[(order[where] + order[n]) // 2], key=order.__getitem__)
-        with g.inserting_before(where):
-            kept = g.call_function(aten.ne.Scalar, (target, ignore))
-            total = g.call_function(aten.sum.default, (kept,))
-            count = g.call_function(aten._to_copy.default, (total,), {"dtype": cval.dtype})
-        kept.meta["val"] = tval.new_empty(tval.shape, dtype=torch.bool)
-        total.meta["val"] = tval.new_empty((), dtype=torch.int64)
-        count.meta["val"] = torch.empty_like(cval)     # a tensor of its own
-        counts[0].replace_all_uses_with(count)
-        g.erase_node(counts[0])
-        for u in list(count.users):      # its all-reduce first (hoist_reductions keeps the order)
-            if u.target in _torch.COLLECTIVE_OPS:
-                count.append(u)
     return gm
 
 
@@ -525,5 +470,5 @@ def prefetch_all_gathers(gm: fx.GraphModule, ahead: int = 1) -> fx.GraphModule:
         order = {n: j for j, n in enumerate(gm.graph.nodes)}
         if order[ag] <= order[wait]:
             continue
-        _move(ag, wait.next, order)
+        move_before(ag, wait.next, order)
     return gm
