@@ -24,14 +24,34 @@ def dce(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+# Argument types that are neither nodes nor containers: frozen as (type name, value)
+# without the isinstance checks below (the hot path: CSE freezes every argument).
+_ATOMS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device,
+                    torch.layout, torch.memory_format})
+
+
 def _freeze(x, rep):
+    t = type(x)
+    if t is fx.Node:
+        return ("node", rep[x])
+    if t in _ATOMS:
+        return (t.__name__, x)
     if isinstance(x, fx.Node):
         return ("node", rep[x])
     if isinstance(x, (list, tuple)):
-        return (type(x).__name__, tuple(_freeze(y, rep) for y in x))
+        out = []
+        for y in x:                 # (the common elements inline: nodes and atoms)
+            ty = type(y)
+            if ty is fx.Node:
+                out.append(("node", rep[y]))
+            elif ty in _ATOMS:
+                out.append((ty.__name__, y))
+            else:
+                out.append(_freeze(y, rep))
+        return (t.__name__, tuple(out))
     if isinstance(x, dict):
         return ("dict", tuple(sorted((k, _freeze(v, rep)) for k, v in x.items())))
-    return (type(x).__name__, x)
+    return (t.__name__, x)
 
 
 def _is_pure(target) -> bool:
@@ -51,9 +71,10 @@ def cse(gm: fx.GraphModule) -> fx.GraphModule:
     """
     rep: dict[fx.Node, fx.Node] = {}
     seen: dict = {}
+    pure: dict = {}                  # target -> _is_pure(target), once per target
     for node in list(gm.graph.nodes):
         rep[node] = node
-        key = _cse_key(node, rep)
+        key = _cse_key(node, rep, pure)
         if key is None:
             continue
         if key in seen:
@@ -65,11 +86,23 @@ def cse(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _cse_key(node: fx.Node, rep: dict):
+def _cse_key(node: fx.Node, rep: dict, pure: dict | None = None):
     """What makes two nodes the same value, or None if the node must stay."""
     if node.op == "get_attr":       # the same constant read twice
         return ("get_attr", node.target)
-    if node.op != "call_function" or not _is_pure(node.target):
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if pure is None:
+        is_pure = _is_pure(target)
+    else:
+        try:
+            is_pure = pure[target]
+        except KeyError:
+            is_pure = pure[target] = _is_pure(target)
+        except TypeError:           # an unhashable callable
+            is_pure = _is_pure(target)
+    if not is_pure:
         return None
     try:
         key = (node.target, _freeze(node.args, rep), _freeze(node.kwargs, rep))
