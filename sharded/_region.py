@@ -358,21 +358,36 @@ def finish_outputs(outs, layouts, mesh, check_vma: bool, cast: bool = True) -> l
     return done
 
 
+def functionalized(gm: fx.GraphModule, fakes) -> fx.GraphModule:
+    """``gm`` without in-place ops: traced again under ``torch.func.functionalize``
+    (views kept; NOTE [Trace, then functionalize] in sharded/_trace.py) when it has
+    any, else ``gm`` itself. A write into an input becomes a ``copy_`` into its
+    placeholder at the end (``mutated_inputs``)."""
+    if not any(n.op == "call_function" and _torch.is_mutating_op(n.target) for n in gm.graph.nodes):
+        return gm
+    return make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*fakes)
+
+
+def mutated_inputs(gm: fx.GraphModule) -> list[int]:
+    """Indices of the placeholders that the functionalized ``gm`` writes back into."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    index = {p: i for i, p in enumerate(placeholders)}
+    return [index[n.args[0]] for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+            and n.args[0] in index]
+
+
 def _functionalize(gm: fx.GraphModule, fakes, name: str) -> fx.GraphModule:
     """The region's graph without in-place ops (as pjit's global graph: the passes and
     the partitioner need a functional program); mutating an input is an error."""
-    if not any(n.op == "call_function" and _torch.is_mutating_op(n.target) for n in gm.graph.nodes):
-        return gm
-    gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*fakes)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default \
-                and n.args[0] in placeholders:
-            raise ValueError(
-                f"{name}: the body mutates its input {placeholders.index(n.args[0])} in "
-                f"place; shard_map bodies must not change their inputs. Return the new "
-                f"value instead (e.g. `w = w - lr * g` rather than `w.sub_(lr * g)`)."
-            )
+    gm = functionalized(gm, fakes)
+    mutated = mutated_inputs(gm)
+    if mutated:
+        raise ValueError(
+            f"{name}: the body mutates its input {mutated[0]} in "
+            f"place; shard_map bodies must not change their inputs. Return the new "
+            f"value instead (e.g. `w = w - lr * g` rather than `w.sub_(lr * g)`)."
+        )
     return gm
 
 

@@ -774,36 +774,17 @@ def _fake_group(device_mesh, name: str, rank: int, size: int) -> str:
     return name
 
 
-def compile_ahead(gm, example_inputs: list):
-    """Inductor's code for the aten graph ``gm``, compiled now and not run: the
-    example inputs give the shapes, dtypes and strides (inductor traces them as fake
-    tensors; their data is not read). The compiled code asserts that its inputs have
-    those sizes and strides. Inductor compiles a copy of ``gm``: its pre-grad passes
-    edit the module they are given, and ``gm`` stays the program that ``as_text``
-    shows and that runs if the compile fails. (``torch.compile`` compiles at the
-    first call, inside the run, so it cannot be asked whether it compiled before any
-    of the program's collectives are issued.)"""
-    import copy
-
-    import torch.fx as fx
+def compile_ahead(module, example_inputs: list):
+    """Inductor's code for the aten graph module ``module``, compiled now and not
+    run: the example inputs give the shapes, dtypes and strides (inductor traces them
+    as fake tensors; their data is not read). The compiled code asserts that its
+    inputs have those sizes and strides. Inductor's pre-grad passes edit the module
+    they are given: pass a copy. (``torch.compile`` compiles at the first call, inside
+    the run, so it cannot be asked whether it compiled before any of the program's
+    collectives are issued.)"""
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    module = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    # AOTAutograd refuses mutating ops with alias annotations: an all-reduce that the
-    # passes made in place (NOTE [All-reduces in place]: nothing reads its input
-    # afterwards) goes back to its functional form, which inductor reinplaces itself.
-    # The call's agreement point is a Python call inductor does not compile: it is
-    # left out with its input, and the runner checks the agreement before it runs the
-    # compiled code.
-    for n in list(module.graph.nodes):
-        if n.op == "call_function" and n.target is c10d_functional.all_reduce_.default:
-            n.target = c10d_functional.all_reduce.default
-        elif n.meta.get(_registry.META_AGREEMENT):
-            agreement = n.args[0]           # (the program's last input: the runner keeps it)
-            module.graph.erase_node(n)
-            module.graph.erase_node(agreement)
-    module.recompile()
     # Fake inputs from a mode with a ShapeEnv (all shapes static): without one,
     # inductor's and AOTAutograd's on-disk caches are bypassed ("No shape env") and
     # every process compiles from scratch.

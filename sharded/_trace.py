@@ -90,9 +90,7 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
                 finally:
                     if state is not None:
                         state.restore_and_check()
-                if _has_mutations(gm):
-                    gm = make_fx(torch.func.functionalize(gm, remove="mutations"),
-                                 tracing_mode="fake")(*fakes)
+                gm = _region.functionalized(gm, fakes)
         regions.attach(gm)
         if joint is not None:
             _finish_joint(gm, joint)
@@ -258,22 +256,6 @@ def _views_in_backward(g: fx.Graph) -> None:
         copies[n] = copy
         for u in bw_users:
             u.replace_input_with(n, copy)
-
-
-def _has_mutations(gm: fx.GraphModule) -> bool:
-    return any(n.op == "call_function" and _torch.is_mutating_op(n.target) for n in gm.graph.nodes)
-
-
-def mutated_inputs(gm: fx.GraphModule) -> list[int]:
-    """Indices of placeholders that the functionalized graph writes back into."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    out = []
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default:
-            dst = n.args[0]
-            if dst in placeholders:
-                out.append(placeholders.index(dst))
-    return out
 
 
 # ---------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from sharded import _tree
 from sharded.errors import CheckpointError
-from sharded.sync import all_gather_objects
+from sharded.sync import all_gather_objects, exchange
 
 __all__ = ["save", "load", "wait", "exists", "PendingSave", "CheckpointError"]
 
@@ -396,21 +396,14 @@ def _agree_to_save(outcome, world: int, rank: int, group, api: str) -> str:
 
 
 def _agree(outcome, rank: int, group, api: str, what: str) -> list:
-    payload = ("error", f"{type(outcome).__name__}: {outcome}") if isinstance(
-        outcome, BaseException) else ("ok", outcome)
-    try:
-        gathered = all_gather_objects(payload, group)
-    except RuntimeError as e:
-        raise CheckpointError(
-            f"{api}: ranks could not agree before the {what} (a rank did not call "
-            f"{what}, or died): {e}") from None
-    errors = {r: p[1] for r, p in enumerate(gathered) if p[0] == "error"}
-    if errors:
-        if isinstance(outcome, BaseException):
-            raise outcome
-        r = min(errors)
-        raise CheckpointError(f"{api}: rank {r} failed, so rank {rank} stops too:\n  {errors[r]}")
-    return [p[1] for p in gathered]
+    """Every rank's outcome (rank order); raises CheckpointError on every rank when one
+    failed before the {what} or could not take part (sharded.sync.exchange)."""
+    def unreachable(e):
+        return CheckpointError(f"{api}: ranks could not agree before the {what} (a rank did "
+                               f"not call {what}, or died): {e}")
+
+    return [o for _, o in exchange(group, api, outcome, failed="", error=CheckpointError,
+                                   comm_error=unreachable)]
 
 
 def _first_difference(ref: list[str], lines: list[str], r: int, what: str) -> str:

@@ -4,7 +4,7 @@ rank runs. One pipeline serves pjit's forward, its backward and shard_map's ``.l
 
     trace            sharded/_trace.py          make_fx of the function (joint, under grad)
     rewrites         sharded/random/rewrite.py  random ops -> counter-based draws
-                     sharded/rules/losses.py    a mean over a split batch -> sum / count
+                     sharded/rewrites/losses.py    a mean over a split batch -> sum / count
     decide + apply   sharded/modes/             the mode lays out every value and expands
                                                 the graph for this rank (``partition``)
     passes           sharded/modes/             the mode's declared pass list
@@ -32,12 +32,13 @@ from sharded._registry import META_AGREEMENT, META_DONATED, META_KIND, META_PATH
 from sharded._arguments import Arguments, Signature, tensor_inputs
 from sharded._fingerprint import ambient_text, fmt_meta, program_lines, stable_repr
 from sharded._program import Backward, Forward
-from sharded._trace import mutated_inputs, trace_global
+from sharded._region import mutated_inputs
+from sharded._trace import trace_global
 from sharded.mesh import mesh_device
 from sharded.modes import ParallelMode
 from sharded.passes import fingerprint, unalias_outputs
 from sharded.random.rewrite import rewrite_random_ops
-from sharded.rules.losses import mean_losses_as_sums
+from sharded.rewrites.losses import mean_losses_as_sums
 from sharded.spec import P, from_placements, to_placements
 
 
@@ -307,7 +308,9 @@ def _agreement_point(gm) -> None:
         return n.target is operator.getitem
 
     where = next(n for n in g.nodes if not local(n))     # (the output node at the latest)
-    with g.inserting_after(g.find_nodes(op="placeholder")[-1]):
+    placeholders = g.find_nodes(op="placeholder")
+    with (g.inserting_after(placeholders[-1]) if placeholders
+          else g.inserting_before(next(iter(g.nodes)))):
         agreement = g.placeholder("agreement")      # the call's sync.Agreement
     with g.inserting_before(where):
         point = g.call_function(sync.agreed, (agreement,))

@@ -75,7 +75,7 @@ from sharded import _torch
 from sharded.errors import RankFailedError, RankMismatchError  # noqa: F401  (sync.RankMismatchError: re-exported)
 
 __all__ = ["RankMismatchError", "RankFailedError", "Outcome", "Agreement", "agree", "agree_async", "agreed",
-           "run_guarded",
+           "exchange", "run_guarded",
            "check_usable", "publish", "release", "released", "group_for"]
 
 FORCE = 1 << 62                     # a token that makes every rank take the full exchange
@@ -218,27 +218,44 @@ def agreed(agreement: Agreement | None) -> None:
         agreement.check()
 
 
-def _exchange(group, api: str, outcome) -> list:
+def exchange(group, api: str, outcome, *, failed: str = " to build its program",
+             error=None, comm_error=None) -> list:
+    """Every rank's ``outcome`` (picklable), in the group's rank order, as ``(rank,
+    outcome)``; or, when some rank brought an exception instead, raise on every rank:
+    that rank its own exception, the others ``RankFailedError`` naming the first failed
+    rank ("rank 1 failed{failed}, so rank 0 stops too: ..."), or ``error(message)``
+    when given. A communication failure raises ``comm_error(e)`` when given, else as a
+    peer's failure. The one cross-rank exchange behind pjit's agreement (its full
+    exchange) and checkpoint's."""
     me = dist.get_rank()
-    payload: tuple
     if isinstance(outcome, BaseException):
-        payload = ("error", me, _describe(outcome), _format_tb(outcome))
+        payload: tuple = ("error", me, _describe(outcome), _format_tb(outcome))
     else:
-        payload = ("ok", me, outcome.program, outcome.lines(), outcome.rng, outcome.values)
+        payload = ("ok", me, outcome)
     try:
         gathered = all_gather_objects(payload, group)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - a peer failed or died
+        if comm_error is not None:
+            raise comm_error(e) from None
         raise _peer_failure(api, e, "before running its program") from None
     errors = [p for p in gathered if p[0] == "error"]
     if errors:
         if isinstance(outcome, BaseException):
             raise outcome
         _, r, err, tb = errors[0]
-        raise RankFailedError(
-            f"{api}: rank {r} failed to build its program, so rank {me} stops too:\n  {err}"
-            + (f"\n(and {len(errors) - 1} other rank(s))" if len(errors) > 1 else ""),
-            rank=r, error=err, remote_traceback=tb,
-        ) from None
+        message = (f"{api}: rank {r} failed{failed}, so rank {me} stops too:\n  {err}"
+                   + (f"\n(and {len(errors) - 1} other rank(s))" if len(errors) > 1 else ""))
+        if error is not None:
+            raise error(message) from None
+        raise RankFailedError(message, rank=r, error=err, remote_traceback=tb) from None
+    return [(p[1], p[2]) for p in gathered]
+
+
+def _exchange(group, api: str, outcome) -> list:
+    if not isinstance(outcome, BaseException):
+        outcome = (outcome.program, outcome.lines(), outcome.rng, outcome.values)
+    # ("ok", rank, program, lines, rng, values) per rank
+    gathered = [("ok", r, *o) for r, o in exchange(group, api, outcome)]
     if len({p[2] for p in gathered}) > 1:
         raise RankMismatchError(f"{api}: ranks called it with different arguments or built "
                                 f"different programs.\n" + _diff(gathered)) from None

@@ -65,6 +65,7 @@ rank alone runs the graph, with a warning that says so.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import warnings
@@ -220,7 +221,7 @@ class Runner:
         st.calls += 1
         t0 = time.perf_counter()
         try:
-            compiled, error = _torch.compile_ahead(self.graph, inputs), None
+            compiled, error = _torch.compile_ahead(_for_inductor(self.graph), inputs), None
         except Exception as e:  # noqa: BLE001 - nothing ran: every failure is a failed compile
             compiled, error = None, f"{type(e).__name__}: {str(e)[:300]}"
         seconds = time.perf_counter() - t0
@@ -240,6 +241,26 @@ class Runner:
         self._compiled = compiled
         self.compile_seconds = seconds
         return compiled(*inputs)
+
+
+def _for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of the local program for inductor (``gm`` stays the program that
+    ``as_text`` shows and that runs if the compile fails). AOTAutograd refuses
+    mutating ops with alias annotations: an all-reduce that the passes made in place
+    (NOTE [All-reduces in place]: nothing reads its input afterwards) goes back to its
+    functional form, which inductor reinplaces itself. The call's agreement point is a
+    Python call inductor does not compile: it is left out with its input, and the
+    runner checks the agreement before it runs the compiled code."""
+    module = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    for n in list(module.graph.nodes):
+        if n.op == "call_function" and n.target is _torch.c10d_functional.all_reduce_.default:
+            n.target = _torch.c10d_functional.all_reduce.default
+        elif n.meta.get(_registry.META_AGREEMENT):
+            agreement = n.args[0]           # (the program's last input: the runner keeps it)
+            module.graph.erase_node(n)
+            module.graph.erase_node(agreement)
+    module.recompile()
+    return module
 
 
 def _fused_inplace(graph: fx.GraphModule) -> bool:
