@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from sharded import _torch, _tree
 from sharded._arguments import Signature
 from sharded._fingerprint import ambient
-from sharded._program import Program, local_input
+from sharded._program import Forward, local_input
 from sharded.mesh import Mesh
 from sharded.modes._runner import RunState
 
@@ -85,6 +85,7 @@ class ProgramCache:
     def table(self) -> _Table:
         if self._own is not None:
             return self._own
+        assert self._anchor is not None
         anchor = self._anchor[0]
         with _LOCK:
             table = _TABLES.get(anchor)
@@ -96,7 +97,7 @@ class ProgramCache:
         sub = self._anchor[1] if self._anchor is not None else None
         return (sub, self._config, sig.key)
 
-    def lookup(self, sig: Signature, name: str, touch: bool = True) -> Program | None:
+    def lookup(self, sig: Signature, name: str, touch: bool = True) -> Forward | None:
         with _LOCK:
             programs = self.table().programs
             key = self.key(sig)
@@ -114,12 +115,12 @@ class ProgramCache:
                 self.count(entry)
             return entry
 
-    def count(self, entry: Program) -> None:
+    def count(self, entry: Forward) -> None:
         if entry not in self._used:
             self._used.add(entry)
             self.trace_count += 1
 
-    def store(self, sig: Signature, entry: Program) -> None:
+    def store(self, sig: Signature, entry: Forward) -> None:
         with _LOCK:
             programs = self.table().programs
             programs[self.key(sig)] = entry
@@ -186,14 +187,14 @@ class Steady:
     static: tuple        # their values
     treedef: Any
     ambient: tuple
-    entry: "Program"
+    entry: "Forward"
     expect: list         # per leaf: a DTensorSpec, ("tensor", shape, dtype, device), ("static", type, value)
     cache: collections.OrderedDict
     key: tuple
     plain: list          # indices of the plain tensor leaves (their values are checked)
 
     @staticmethod
-    def arm(sig: Signature, entry: "Program", outcome, nargs: int, cache, key) -> "Steady | None":
+    def arm(sig: Signature, entry: "Forward", outcome, nargs: int, cache, key) -> "Steady | None":
         """The plan to match the next call against, or None when this call is not the
         steady kind (keywords, a backward, inputs that were redistributed)."""
         if sig.grad is not None or sig.static_kwargs is not None or outcome.program != entry.program:
@@ -215,7 +216,7 @@ class Steady:
         return Steady(sig.mesh, nargs, sig.static_argnums, sig.static_args, sig.treedef,
                        sig.ambient, entry, expect, cache, key, plain)
 
-    def match(self, args: tuple, kwargs: dict, mesh) -> "tuple[Program, list, list, list] | None":
+    def match(self, args: tuple, kwargs: dict, mesh) -> "tuple[Forward, list, list, list] | None":
         """(program, leaves, their local shards) when this call has the armed plan's
         signature and its inputs are in the planned layouts; None: take the full
         path."""

@@ -21,7 +21,7 @@ import operator
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -56,7 +56,7 @@ class LocalProgram:
 
 def lower_graph(gm: fx.GraphModule, mode: ParallelMode, mesh, in_placements: list,
                 out_specs: list, *, name: str, n_out: int | None = None,
-                donated: list[int] = (), agreement_point: bool = False) -> LocalProgram:
+                donated: Sequence[int] = (), agreement_point: bool = False) -> LocalProgram:
     """Rewrite, partition and pass ``gm`` (placeholders named by ``meta[META_PATH]``).
     ``out_specs``: a P or None per output (None: the mode decides); ``n_out``: the
     outputs that are the user's (the rest are residuals for a backward); ``donated``:
