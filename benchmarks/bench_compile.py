@@ -22,16 +22,18 @@ oversubscribed the machine is. The ratio ``lower / make_fx (rank)`` compares lik
 with like (make_fx on the ranks is the mean of a run just before and just after). Writes
 ``benchmarks/results/compile.json``.
 
-    python benchmarks/bench_compile.py --abstract     # one process, Mesh.abstract((2, 2))
+    python benchmarks/bench_compile.py --abstract     # one process, Mesh.abstract((16, 4))
     python benchmarks/bench_compile.py --inductor     # inductor's compile of gpt-tiny, cold and warm
 
 ``--abstract`` lowers the same step in this one process on ``Mesh.abstract((dp, tp),
-("dp", "tp"))`` (rank 0's program; nothing communicates), with ``DTensorExpandMode``
-(Megatron ``tp_specs``, batch over dp) and ``DataParallelMode("shard")`` (the same
-specs, state sharded over dp too), against plain ``make_fx``: ``--rounds`` rounds of
-the three, each lower a fresh function (no cache hit); CPU seconds, split into trace,
-partition and passes by the same timers as above (CPU), and the wall seconds
-``Lowered.compile_times()`` reports for those stages. Writes
+("dp", "tp"))`` (rank 0's program; nothing communicates; by default issue 23's
+configuration: a 16x4 mesh, vocab 8192, batch 64, which ``--mesh``, ``--vocab`` and
+``--batch`` change), with ``DTensorExpandMode`` (Megatron ``tp_specs``, batch over
+dp) and ``DataParallelMode("shard")`` (the same specs, state sharded over dp too),
+against plain ``make_fx``: ``--rounds`` rounds of the three, each lower a fresh
+function (no cache hit); CPU seconds, split into trace, partition and passes by the
+same timers as above (CPU, with how often each ran: ``stage_calls``), and the wall
+seconds ``Lowered.compile_times()`` reports for those stages. Writes
 ``benchmarks/results/compile_abstract.json``.
 
 ``--inductor`` times inductor's compile of the gpt-tiny train step (d 128, 2 layers,
@@ -66,7 +68,8 @@ from sharded import launch  # noqa: E402
 def _cfg(a, tiny: bool = False) -> gpt.GPTConfig:
     if tiny:  # for warm-up: same ops, small shapes
         return gpt.tiny(n_layers=a["layers"], seq=a["seq"], sdpa=not a["matmul_attn"])
-    return gpt.gpt2_small(n_layers=a["layers"], sdpa=not a["matmul_attn"])
+    return gpt.gpt2_small(n_layers=a["layers"], sdpa=not a["matmul_attn"],
+                          **({"vocab": a["vocab"]} if a.get("vocab") else {}))
 
 
 def _empty_like_tree(tree):
@@ -118,14 +121,14 @@ class _Timers:
     """Wraps pjit's pipeline stages with timers (benchmark-side monkeypatching only)."""
 
     def __init__(self, mode_cls=None):
-        import transforms  # noqa: F401
-        pj = sys.modules["transforms.pjit"]  # (transforms.pjit the attribute is the function)
+        import sharded.lowering as pj      # the lowering pipeline (trace, partition, passes)
         from sharded.modes import DTensorExpandMode
 
         DTensorExpandMode = mode_cls or DTensorExpandMode  # noqa: N806 (the mode's class)
 
         self.t = {"trace": 0.0, "partition": 0.0, "passes": 0.0, "fingerprint": 0.0}
         self.cpu = dict(self.t)
+        self.calls = {k: 0 for k in self.t}   # (partition: 2 where a backward's residuals re-partition)
         self._undo = []
         self._wrap(pj, "trace_global", "trace")
         self._wrap(pj, "fingerprint", "fingerprint")
@@ -134,9 +137,10 @@ class _Timers:
 
     def _wrap(self, owner, name, key):
         orig = getattr(owner, name)
-        t, cpu = self.t, self.cpu
+        t, cpu, calls = self.t, self.cpu, self.calls
 
         def timed(*args, **kw):
+            calls[key] += 1
             t0, c0 = time.perf_counter(), time.process_time()
             try:
                 return orig(*args, **kw)
@@ -156,7 +160,7 @@ def _rank_main(a: dict) -> dict:
     import torch.distributed as dist
 
     from sharded import Mesh, P
-    from transforms import pjit
+    from sharded import pjit
 
     dp, tp = a["mesh"]
     mesh = Mesh((dp, tp), ("dp", "tp"))
@@ -216,7 +220,7 @@ def _rank_main(a: dict) -> dict:
 def _abstract(a: dict, rounds: int) -> dict:
     from sharded import Mesh, P
     from sharded.modes import DataParallelMode, DTensorExpandMode
-    from transforms import pjit
+    from sharded import pjit
 
     dp, tp = a["mesh"]
     mesh = Mesh.abstract((dp, tp), ("dp", "tp"), rank=0)
@@ -240,7 +244,7 @@ def _abstract(a: dict, rounds: int) -> dict:
             timers.restore()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         return {"s": wall, "cpu_s": cpu, "stages_s": low.compile_times(),
-                "stages_cpu_s": dict(timers.cpu),
+                "stages_cpu_s": dict(timers.cpu), "stage_calls": dict(timers.calls),
                 "global_nodes": len(low.global_graph.graph.nodes),
                 "local_nodes": len(low.local_graph.graph.nodes),
                 "collectives": {k: v["count"] for k, v in low.cost().items() if k != "total"}}
@@ -279,7 +283,7 @@ def _inductor_child() -> None:
 
     from sharded import Mesh, P, optim
     from sharded.modes import DataParallelMode
-    from transforms import pjit
+    from sharded import pjit
 
     torch.set_num_threads(1)
     cfg = gpt.tiny(d_model=128, n_heads=4, n_layers=2, seq=64)
@@ -321,9 +325,13 @@ def main(argv=None):
         return _inductor_child()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--batch", type=int, default=2, help="global batch (sharded over dp)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="global batch (sharded over dp); default 2, --abstract 64")
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--mesh", default="2x2", help="dp x tp, e.g. 2x2 or 1x2")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="default GPT-2's 50257, --abstract 8192 (issue 23's configuration)")
+    ap.add_argument("--mesh", default=None, help="dp x tp, e.g. 2x2 or 1x2; default 2x2, "
+                    "--abstract 16x4")
     ap.add_argument("--matmul-attn", action="store_true")
     ap.add_argument("--skip-parent", action="store_true", help="no parent make_fx timing")
     ap.add_argument("--abstract", action="store_true",
@@ -334,10 +342,14 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="default: benchmarks/results/compile.json "
                     "(compile_abstract.json, compile_inductor.json)")
     args = ap.parse_args(argv)
+    # --abstract defaults to issue 23's configuration: 16x4 mesh, vocab 8192, batch 64
+    args.mesh = args.mesh or ("16x4" if args.abstract else "2x2")
+    args.batch = args.batch or (64 if args.abstract else 2)
+    args.vocab = args.vocab or (8192 if args.abstract else None)
     dp, tp = (int(x) for x in args.mesh.lower().split("x"))
     world = dp * tp
     a = {"layers": args.layers, "batch": args.batch, "seq": args.seq, "mesh": (dp, tp),
-         "matmul_attn": args.matmul_attn}
+         "matmul_attn": args.matmul_attn, "vocab": args.vocab}
     cfg = _cfg(a)
     name = "compile_abstract" if args.abstract else "compile_inductor" if args.inductor else "compile"
     args.out = args.out or os.path.join(ROOT, "benchmarks", "results", f"{name}.json")
