@@ -529,11 +529,12 @@ def tensor_inputs(arguments: Arguments, sig: Signature, args: tuple) -> TensorIn
     return out
 
 
-def check_on_mesh(x, mesh, path: str, api: str) -> None:
-    """A DTensor input must live on the program's mesh."""
+def check_on_mesh(x, mesh, path: str, api: str, kind: str = "pjit") -> None:
+    """A DTensor input must live on the program's mesh (``kind``: whose mesh, for the
+    message: "pjit" or "shard_map")."""
     if isinstance(x, DTensor) and x.device_mesh is not mesh.device_mesh \
             and x.device_mesh != mesh.device_mesh:
         raise ValueError(
-            f"{api}: {path} is a DTensor on {x.device_mesh}, not on the pjit mesh {mesh}; "
+            f"{api}: {path} is a DTensor on {x.device_mesh}, not on the {kind} mesh {mesh}; "
             f"gather it and shard it onto this mesh."
         )

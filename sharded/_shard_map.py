@@ -30,9 +30,11 @@ from sharded.data import value_digests
 from sharded.mesh import Mesh, current_mesh
 from sharded.modes._expand import contiguous_strides
 from sharded.random.rewrite import RNG_STATE_OP
-from sharded.spec import P, axes_of_dim, check_spec, local_shape, local_slice, to_placements
+from sharded.spec import P, axes_of_dim, check_spec, local_shape, to_placements
 from sharded._trace import in_global_trace
+from sharded._arguments import check_on_mesh
 from sharded._pjit import Pjit
+from sharded._program import local_input
 
 
 def shard_map(fn: Callable | None = None, /, *, mesh: Mesh | None = None, in_specs,
@@ -181,7 +183,7 @@ class ShardMap:
     def _eager_run(self, mesh: Mesh, leaves, treedef, tensors):
         dm = mesh.device_mesh
         local = []
-        for x, spec in tensors:
+        for k, (x, spec) in enumerate(tensors):
             if _torch.is_functorch_wrapped(x):
                 raise TypeError(
                     f"{self.name} was called inside a torch.func transform (grad, vmap, "
@@ -189,18 +191,8 @@ class ShardMap:
                     f"the transform inside a function that pjit traces: "
                     f"pjit(torch.func.grad(loss), ...)."
                 )
-            placements = to_placements(spec, mesh)
-            if isinstance(x, DTensor):
-                if x.device_mesh != dm:
-                    raise ValueError(
-                        f"{self.name}: a DTensor input lives on {x.device_mesh}, not on the "
-                        f"shard_map mesh {mesh}; gather it and shard it onto this mesh."
-                    )
-                if tuple(x.placements) != tuple(placements):
-                    x = x.redistribute(dm, placements)
-                local.append(_torch.local_tensor(x).detach())
-            else:
-                local.append(local_slice(x.detach(), placements, mesh).detach())
+            check_on_mesh(x, mesh, f"tensor input {k}", self.name, "shard_map")
+            local.append(local_input(x, to_placements(spec, mesh), mesh).detach())
         out_info: dict = {}
         describe = self._describe(mesh, out_info)
         ctx = _manual.ManualContext(mesh, self.check_vma, self.name, eager=True)
