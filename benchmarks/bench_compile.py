@@ -36,6 +36,10 @@ same timers as above (CPU, with how often each ran: ``stage_calls``), and the wa
 seconds ``Lowered.compile_times()`` reports for those stages. Writes
 ``benchmarks/results/compile_abstract.json``.
 
+Every timed trace and lower starts with ``gc.collect()``: a lower leaves a large heap,
+and a full pass of the collector over it, charged to whatever trace or stage runs
+when it falls, is no part of the cost being measured.
+
 ``--inductor`` times inductor's compile of the gpt-tiny train step (d 128, 2 layers,
 batch 8 x 64; ``DataParallelMode("shard", compile=True)`` on a one-rank mesh, one
 process): ``Lowered.compile_times()["inductor"]`` (the compile with its first run) in
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import statistics
 import sys
@@ -111,6 +116,7 @@ def plain_make_fx(a, tiny: bool = False) -> tuple[float, float, int]:
         p, o, i, t = optree.tree_unflatten(treedef, list(xs))
         return optree.tree_leaves(gpt.train_step(p, o, i, t, cfg))
 
+    gc.collect()    # each timed trace starts from the same collector state (module docstring)
     t0, c0 = time.perf_counter(), time.process_time()
     gm = make_fx(torch.func.functionalize(flat, remove="mutations_and_views"),
                  tracing_mode="fake")(*leaves)
@@ -237,6 +243,7 @@ def _abstract(a: dict, rounds: int) -> dict:
         f = pjit(lambda *xs: gpt.train_step(*xs), in_specs=(ps, gpt.opt_specs(ps), P("dp"), P("dp")),
                  out_specs=(ps, gpt.opt_specs(ps), P()), mesh=mesh, static_argnums=(4,),
                  mode=m)
+        gc.collect()
         t0, c0 = time.perf_counter(), time.process_time()
         try:
             low = f.lower(params, opt, ids, tgt, cfg)
