@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from sharded import _torch, random as srandom, sync
 from sharded._arguments import VMAP
+from sharded.spec import reduced
 
 _HIGHER_ORDER = (
     "{name}: its backward is not differentiable (higher-order gradients through a pjit "
@@ -210,6 +211,6 @@ def _gradients(call: Call, residuals: list, cotangents: list) -> list:
             g = dt.full_tensor() if any(not isinstance(p, Replicate) for p in spec.placements) \
                 else local
         elif src != tuple(spec.placements):
-            g = dt.redistribute(dm, tuple(Replicate() if _torch.is_partial(p) else p for p in src))
+            g = dt.redistribute(dm, reduced(src))
         grads.append(g)
     return grads

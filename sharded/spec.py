@@ -279,3 +279,8 @@ def local_slice(tensor: torch.Tensor, placements: Sequence[Placement], mesh) -> 
         if size != tensor.shape[dim]:
             tensor = tensor.narrow(dim, start, size)
     return tensor.contiguous()
+
+
+def reduced(placements) -> tuple:
+    """``placements`` with every pending reduction done (Partial -> Replicate)."""
+    return tuple(Replicate() if _torch.is_partial(p) else p for p in placements)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 from torch.distributed.tensor import Placement
@@ -59,9 +59,10 @@ class Pass:
     """One entry of a pass list: ``run(graph, mode) -> graph``."""
 
     name: str
-    run: Callable[[fx.GraphModule, "ParallelMode"], fx.GraphModule]
+    # (graph, the mode that declares the list: its own type, which reads its settings)
+    run: Callable[[fx.GraphModule, Any], fx.GraphModule]
     after: tuple[str, ...] = ()           # passes that must come before it, where listed
-    when: Callable[["ParallelMode"], bool] | None = None    # None: every mode runs it
+    when: Callable[[Any], bool] | None = None    # None: every mode runs it
 
 
 # what the expansion leaves: size-1 collectives, identity views, like-factories that

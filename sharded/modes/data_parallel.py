@@ -55,11 +55,11 @@ from sharded import _torch
 from sharded.modes._expand import RNG_OP, SPECIAL_OPS, LayoutPolicy, expand
 from sharded.modes._runner import check_compile
 from sharded.modes.base import CLEANUP, EARLY_REDUCTIONS, REINPLACE, ParallelMode, Partitioned, Pass
-from sharded.modes.dtensor_expand import _ADDITIVE, _LINEAR_IN_PARTIAL, reduce_where_produced
+from sharded.modes._pending import is_masked, linear_in_partial, reduce_where_produced
 from sharded.passes import (DEFAULT_BUCKET_BYTES, bound_reduce_scatters, bucket_all_gathers,
                             bucket_all_reduces, bucket_reduce_scatters, prefetch_all_gathers,
                             regather_distant_uses, sink_waits)
-from sharded.spec import P, from_placements, to_placements
+from sharded.spec import P, from_placements, reduced, to_placements
 
 _F = _torch.c10d_functional
 
@@ -361,11 +361,11 @@ class _DataParallelPolicy(LayoutPolicy):
             return to_placements(spec, ex.mesh)
         out_node = next(iter(n for n in reversed(ex.module.graph.nodes) if n.op == "output"))
         node = out_node.args[0][index]
-        reduced = [Replicate() if _torch.is_partial(p) else p for p in value.placements]
+        done = reduced(value.placements)
         # (``value``, not ``ex.env``: the interpreter has freed the values by now)
         if isinstance(node, fx.Node) and node in self.batch and isinstance(self._dp(value), Shard):
-            return tuple(reduced)
-        return self.mode.state_placements(value.shape, reduced, self.mesh, self.dp)
+            return done
+        return self.mode.state_placements(value.shape, list(done), self.mesh, self.dp)
 
     # -- helpers -------------------------------------------------------------------------------
     def _add_batch(self, node, value) -> None:
@@ -399,7 +399,7 @@ class _DataParallelPolicy(LayoutPolicy):
                     and all(_torch.is_partial(p) or isinstance(p, Replicate) or p == q
                             for p, q in zip(value.placements, peer.placements))):
                 return tuple(peer.placements), True
-        others = [Replicate() if _torch.is_partial(p) else p for p in value.placements]
+        others = list(reduced(value.placements))
         return self.mode.state_placements(value.shape, others, self.mesh, self.dp), False
 
     def _peers(self, ex, node) -> list:
@@ -515,16 +515,11 @@ def _has_partial(x) -> bool:
 def _travels(target, args, dts, partial) -> bool:
     """May the pending sums stay pending through this op (NOTE [Where a pending
     reduction may travel])?"""
-    packet = target.overloadpacket
-    masked = any(not _torch.is_plain_partial(p) for a in partial for p in a.placements
-                 if _torch.is_partial(p))
-    if masked:
+    if is_masked(partial):
         return False
     if target is _EMBEDDING_BACKWARD:
         return len(partial) == 1 and partial[0] is args[0] and _table_no_larger(args)
-    if packet not in _LINEAR_IN_PARTIAL:
-        return False
-    return packet not in _ADDITIVE or len(partial) == len(dts)
+    return linear_in_partial(target, len(partial), len(dts))
 
 
 # NOTE [A pending sum through an embedding's backward]
