@@ -28,8 +28,11 @@ with like (make_fx on the ranks is the mean of a run just before and just after)
 ``--abstract`` lowers the same step in this one process on ``Mesh.abstract((dp, tp),
 ("dp", "tp"))`` (rank 0's program; nothing communicates; by default issue 23's
 configuration: a 16x4 mesh, vocab 8192, batch 64, which ``--mesh``, ``--vocab`` and
-``--batch`` change), with ``DTensorExpandMode`` (Megatron ``tp_specs``, batch over
-dp) and ``DataParallelMode("shard")`` (the same specs, state sharded over dp too),
+``--batch`` change), with ``DTensorExpandMode`` (Megatron ``tp_specs`` in and out,
+batch over dp) and ``DataParallelMode("shard")`` (the same in_specs, state sharded
+over dp too; its out_specs left to the mode, so the updated state comes out sharded
+as it went in: ``--megatron-out-specs`` gives it the Megatron out_specs, which
+all-gather every parameter and moment over dp at the end of the step),
 against plain ``make_fx``: ``--rounds`` rounds of the three, each lower a fresh
 function (no cache hit); CPU seconds, split into trace, partition and passes by the
 same timers as above (CPU, with how often each ran: ``stage_calls``), and the wall
@@ -224,7 +227,7 @@ def _rank_main(a: dict) -> dict:
 # -- --abstract: one process, Mesh.abstract ----------------------------------------------------
 
 def _abstract(a: dict, rounds: int) -> dict:
-    from sharded import Mesh, P
+    from sharded import UNSPECIFIED, Mesh, P
     from sharded.modes import DataParallelMode, DTensorExpandMode
     from sharded import pjit
 
@@ -232,17 +235,21 @@ def _abstract(a: dict, rounds: int) -> dict:
     mesh = Mesh.abstract((dp, tp), ("dp", "tp"), rank=0)
     modes = {"DTensorExpandMode": DTensorExpandMode,
              "DataParallelMode('shard')": lambda: DataParallelMode("shard")}
+    # DataParallelMode lays out the state itself: its outputs keep the layout the
+    # state came in with (sharded over dp). Out specs of the Megatron layout (tp
+    # only) would gather every parameter and moment over dp at the end of each step.
+    mode_out_specs = {"DataParallelMode('shard')": a.get("megatron_out_specs", False)}
 
-    def lower(mode, tiny=False):
+    def lower(mode, tiny=False, out_specs=True):
         cfg, params, opt, ids, tgt = _inputs(a if not tiny else {**a, "layers": 1}, tiny)
         ps = gpt.tp_specs(params)
+        outs = (ps, gpt.opt_specs(ps), P()) if out_specs else UNSPECIFIED
         # a fresh function each time (pjit's cache is keyed on it); CPU seconds per
         # stage from the benchmark-side timers, wall seconds from compile_times()
         m = mode()
         timers = _Timers(type(m))
         f = pjit(lambda *xs: gpt.train_step(*xs), in_specs=(ps, gpt.opt_specs(ps), P("dp"), P("dp")),
-                 out_specs=(ps, gpt.opt_specs(ps), P()), mesh=mesh, static_argnums=(4,),
-                 mode=m)
+                 out_specs=outs, mesh=mesh, static_argnums=(4,), mode=m)
         gc.collect()
         t0, c0 = time.perf_counter(), time.process_time()
         try:
@@ -257,14 +264,14 @@ def _abstract(a: dict, rounds: int) -> dict:
                 "collectives": {k: v["count"] for k, v in low.cost().items() if k != "total"}}
 
     plain_make_fx({**a, "layers": 1}, tiny=True)       # warm-up: one-time costs
-    for mode in modes.values():
-        lower(mode, tiny=True)
+    for name, mode in modes.items():
+        lower(mode, tiny=True, out_specs=mode_out_specs.get(name, True))
     runs: dict = {"make_fx": [], **{name: [] for name in modes}}
     for _ in range(rounds):                             # interleaved: load hits all alike
         s, cpu, nodes = plain_make_fx(a)
         runs["make_fx"].append({"s": s, "cpu_s": cpu, "nodes": nodes})
         for name, mode in modes.items():
-            runs[name].append(lower(mode))
+            runs[name].append(lower(mode, out_specs=mode_out_specs.get(name, True)))
     med = {k: statistics.median(r["cpu_s"] for r in v) for k, v in runs.items()}
     print(f"one process, Mesh.abstract(({dp}, {tp}), ('dp', 'tp')), rank 0; "
           f"{rounds} rounds, median CPU s (min..max):")
@@ -278,6 +285,8 @@ def _abstract(a: dict, rounds: int) -> dict:
                      + f"; local graph {v[0]['local_nodes']} nodes, collectives {v[0]['collectives']}")
         print(line)
     return {"runs": runs, "median_cpu_s": med,
+            "out_specs": {k: "Megatron (tp_specs, opt_specs, P())" if mode_out_specs.get(k, True)
+                          else "unspecified (the mode's)" for k in modes},
             "ratio_over_make_fx_cpu": {k: med[k] / med["make_fx"] for k in modes}}
 
 
@@ -344,6 +353,9 @@ def main(argv=None):
     ap.add_argument("--abstract", action="store_true",
                     help="lower in this one process on Mesh.abstract (no ranks)")
     ap.add_argument("--rounds", type=int, default=3, help="--abstract: rounds of the three")
+    ap.add_argument("--megatron-out-specs", action="store_true",
+                    help="--abstract: DataParallelMode's outputs laid out by the Megatron "
+                    "specs too (default: the mode's, state stays sharded over dp)")
     ap.add_argument("--inductor", action="store_true",
                     help="inductor's compile of the gpt-tiny step, cold and warm caches")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/compile.json "
@@ -356,7 +368,8 @@ def main(argv=None):
     dp, tp = (int(x) for x in args.mesh.lower().split("x"))
     world = dp * tp
     a = {"layers": args.layers, "batch": args.batch, "seq": args.seq, "mesh": (dp, tp),
-         "matmul_attn": args.matmul_attn, "vocab": args.vocab}
+         "matmul_attn": args.matmul_attn, "vocab": args.vocab,
+         "megatron_out_specs": args.megatron_out_specs}
     cfg = _cfg(a)
     name = "compile_abstract" if args.abstract else "compile_inductor" if args.inductor else "compile"
     args.out = args.out or os.path.join(ROOT, "benchmarks", "results", f"{name}.json")
