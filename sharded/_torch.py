@@ -28,6 +28,22 @@ def op_arg_names(target) -> list[str]:
     return [a.name for a in target._schema.arguments]
 
 
+_NO_DEFAULT = object()
+
+
+def op_arg_defaults(target) -> list[tuple[str, object]]:
+    """``(name, default)`` of each argument of an op overload's schema, in order;
+    the default is ``NO_DEFAULT`` where the argument has none."""
+    return [(a.name, a.default_value if a.has_default_value() else _NO_DEFAULT)
+            for a in target._schema.arguments]
+
+
+NO_DEFAULT = _NO_DEFAULT
+
+# the logger of torch's fake-tensor machinery (it logs a failing op at ERROR level)
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+
 def inplace_overload(target) -> OpOverload | None:
     """The in-place form of an aten op overload, the same overload of the packet named
     with a trailing ``_`` (``aten.sub.Tensor`` -> ``aten.sub_.Tensor``), or None."""

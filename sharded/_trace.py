@@ -24,7 +24,6 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from sharded import _region, _torch
 from sharded._registry import META_PHASE
@@ -41,7 +40,7 @@ class _QuietFakeTensorErrors(logging.Filter):
         return not (in_global_trace() and record.levelno >= logging.ERROR)
 
 
-logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietFakeTensorErrors())
+logging.getLogger(_torch.FAKE_TENSOR_LOGGER).addFilter(_QuietFakeTensorErrors())
 
 
 def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
@@ -402,7 +401,7 @@ def _with_context(e: Exception, api: str, inputs: Sequence[str], fn=None) -> Exc
 # (for modules: torch.func.functional_call with the buffers as an argument, cloned
 # inside the function, and returned; docs/concepts.md, "Module state").
 
-class _NoCapturedMutation(TorchDispatchMode):
+class _NoCapturedMutation(_torch.dispatch_mode_base()):
     def __init__(self, api: str, state: "ModuleState | None"):
         super().__init__()
         self.api = api

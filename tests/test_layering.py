@@ -2,7 +2,7 @@
 
 - No cycle among the module-level imports of sharded's modules: a lower layer never
   imports a higher one (the lowest layer exposes hook slots, such as the primitive
-  registry in sharded/_primitives.py, and the layers above fill them).
+  registry in sharded/_registry.py, and the layers above fill them).
 - No function-local import of a sharded module: such an import is how a cycle hides
   (the module imports fine, and the lower layer still calls up into the higher one).
   Imports under ``if TYPE_CHECKING:`` are for annotations only and are allowed.
@@ -224,3 +224,52 @@ def test_the_registry_holds_each_primitive_once():
     assert plans.AXIS_LAYOUT_OP in _registry.EXPAND
     with pytest.raises(ValueError, match="already set"):
         _registry.define(C.PSUM, lower=lambda mesh, x, axes: x)
+
+
+# Private torch names (a torch upgrade should touch one file): imports from a module
+# with a private component, attribute chains on torch through a private name (aten op
+# names such as ``torch.ops.aten._unsafe_view`` are public op names, not private API),
+# and the private attributes of torch's objects the project reads.
+_PRIVATE_ATTRS = {"_schema", "_local_tensor", "_spec", "_overloadname", "_overloadpacket"}
+
+
+def _private_torch_uses(tree: ast.Module) -> list[int]:
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            if any(p.startswith("_") for p in node.module.split(".")):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Import):
+            if any(a.name.split(".")[0] == "torch" and any(p.startswith("_") for p in a.name.split("."))
+                   for a in node.names):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Attribute):
+            if node.attr in _PRIVATE_ATTRS:
+                lines.append(node.lineno)
+                continue
+            chain, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id == "torch":
+                chain = chain[::-1]
+                public = chain[:2] == ["ops", "aten"] and len(chain) > 2
+                if not public and any(p.startswith("_") and not p.startswith("__") for p in chain):
+                    lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_private_torch_apis_only_in_the_torch_module():
+    found = []
+    for name, path in MODULES.items():
+        if name == "sharded._torch":
+            continue
+        for line in _private_torch_uses(ast.parse(path.read_text())):
+            found.append(f"{path.relative_to(ROOT.parent)}:{line}")
+    assert not found, "private torch APIs outside sharded/_torch.py:\n" + "\n".join(found)
+
+
+def test_detects_a_private_torch_use():
+    code = ("import torch\nfrom torch._ops import OpOverload\nx = torch._C._foo\n"
+            "y = op._schema\nz = torch.ops.aten._unsafe_view.default\n")
+    assert _private_torch_uses(ast.parse(code)) == [2, 3, 4]

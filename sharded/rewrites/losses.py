@@ -137,13 +137,13 @@ def _positional(n: fx.Node, upto: int) -> tuple[list, dict] | None:
     from the op's schema) and the keyword arguments left; None where an argument is
     missing and has no default. ``n`` itself is not changed."""
     op = n.target
-    assert isinstance(op, torch._ops.OpOverload)
+    assert isinstance(op, _torch.OpOverload)
     args, kwargs = list(n.args), dict(n.kwargs)
-    for a in op._schema.arguments[len(args):upto + 1]:
-        if a.name in kwargs:
-            args.append(kwargs.pop(a.name))
-        elif a.has_default_value():
-            args.append(a.default_value)
+    for name, default in _torch.op_arg_defaults(op)[len(args):upto + 1]:
+        if name in kwargs:
+            args.append(kwargs.pop(name))
+        elif default is not _torch.NO_DEFAULT:
+            args.append(default)
         else:
             return None
     return args, kwargs
@@ -155,7 +155,7 @@ def _counted_as_sum(g: fx.Graph, n: fx.Node) -> int:
     (or gradient) is computed in float32 and each of its outputs cast back: its Sum
     may overflow where its mean would not."""
     op = n.target
-    assert isinstance(op, torch._ops.OpOverload)
+    assert isinstance(op, _torch.OpOverload)
     backward = op in _COUNTED_BACKWARD
     at, src, count_of = (_COUNTED_BACKWARD if backward else _COUNTED)[op]
     normalized = _positional(n, at)
