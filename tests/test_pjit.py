@@ -2,6 +2,7 @@
 vmap, sharding constraints, the Megatron collective count, and cross-rank checks."""
 
 import os
+import traceback
 import re
 from collections import namedtuple
 
@@ -189,8 +190,12 @@ def _disagree_in_the_steady_state(donate: bool):
             g(x, 3.0 if mesh.rank == 1 else 2.0)
             out.append("no error")
         except RankMismatchError as e:
-            # (raised at the program's agreement point, not before the call)
-            out.append(str(e).splitlines()[0] + f" agreement={getattr(e, 'agreement', False)}")
+            # (raised at the program's agreement point, inside the program, not before
+            # the call: sync.agreed is in the traceback, called by the program's code)
+            frames = traceback.extract_tb(e.__traceback__)
+            at_point = any(f.name == "agreed" for f in frames) and any(
+                f.name == "forward" and "eval_with_key" in f.filename for f in frames)
+            out.append(str(e).splitlines()[0] + f" agreement={at_point}")
         for _ in range(6):                  # past the compile checks at calls 4 and 8
             x = g(x, 2.0)
         out.append(gather(x).sum().item())
