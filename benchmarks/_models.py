@@ -394,3 +394,20 @@ def peak_resident_bytes(fn) -> int:
     base = _status_bytes("VmRSS:")
     fn()
     return _status_bytes("VmHWM:") - base
+
+
+def per_tensor_adamw(params: dict, grads: dict, state: dict, lr: float = 1e-3, betas=(0.9, 0.999),
+                     eps: float = 1e-8, weight_decay: float = 1e-2):
+    """AdamW as users write one: pure (optax-style), elementwise ops on each parameter
+    of a flat dict in turn; the math of ``torch.optim.AdamW(foreach=False)``. ``state``
+    from ``sharded.optim.adamw_init``; returns ``(params, state)``."""
+    b1, b2 = betas
+    step = state["step"] + 1
+    new, m, v = {}, {}, {}
+    for k, p in params.items():
+        g = grads[k]
+        m[k] = state["m"][k] * b1 + g * (1 - b1)
+        v[k] = state["v"][k] * b2 + g * g * (1 - b2)
+        update = (m[k] / (1 - b1 ** step)) / ((v[k] / (1 - b2 ** step)).sqrt() + eps)
+        new[k] = p * (1 - lr * weight_decay) - lr * update
+    return new, {"step": step, "m": m, "v": v}

@@ -25,7 +25,7 @@ Modes (every one: forward, backward, AdamW):
 
 ``--optimizer per-tensor`` runs every row with AdamW as users write one over a
 ``named_parameters()``-style dict (dotted keys): the pjit rows and the reference step
-a pure per-parameter update (``per_tensor_adamw``: elementwise ops on each parameter
+a pure per-parameter update (``_models.per_tensor_adamw``: elementwise ops on each parameter
 in turn), the torch rows ``torch.optim.AdamW(foreach=False)`` (the same math, one
 parameter at a time); it writes ``benchmarks/results/data_parallel_per_tensor.json``.
 The default, ``fused``, steps ``sharded.optim.adamw`` and ``torch.optim.AdamW(fused=True)``
@@ -95,23 +95,6 @@ def flat_dict(tree):
     return dict(zip(keys, leaves)), lambda d: optree.tree_unflatten(treedef, [d[k] for k in keys])
 
 
-def per_tensor_adamw(params: dict, grads: dict, state: dict, lr: float = 1e-3, betas=(0.9, 0.999),
-                     eps: float = 1e-8, weight_decay: float = 1e-2):
-    """AdamW as users write one: pure (optax-style), elementwise ops on each parameter
-    of a flat dict in turn; the math of ``torch.optim.AdamW(foreach=False)``. ``state``
-    from ``sharded.optim.adamw_init``; returns ``(params, state)``."""
-    b1, b2 = betas
-    step = state["step"] + 1
-    new, m, v = {}, {}, {}
-    for k, p in params.items():
-        g = grads[k]
-        m[k] = state["m"][k] * b1 + g * (1 - b1)
-        v[k] = state["v"][k] * b2 + g * g * (1 - b2)
-        update = (m[k] / (1 - b1 ** step)) / ((v[k] / (1 - b2 ** step)).sqrt() + eps)
-        new[k] = p * (1 - lr * weight_decay) - lr * update
-    return new, {"step": step, "m": m, "v": v}
-
-
 def _per_tensor(spec: dict) -> dict:
     """``spec`` with its functional rows on a flat dict of dotted keys, stepped by
     ``per_tensor_adamw``, and its torch rows by ``torch.optim.AdamW(foreach=False)``."""
@@ -123,7 +106,7 @@ def _per_tensor(spec: dict) -> dict:
 
     def step(p, o, x, y):
         grads, loss = torch.func.grad_and_value(flat_loss)(p, x, y)
-        p, o = per_tensor_adamw(p, grads, o)
+        p, o = M.per_tensor_adamw(p, grads, o)
         return p, o, loss
 
     def torch_opt(ps):

@@ -8,6 +8,7 @@ are used.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ def op_arg_names(target) -> list[str]:
 _NO_DEFAULT = object()
 
 
-def op_arg_defaults(target) -> list[tuple[str, object]]:
+def op_arg_defaults(target) -> list[tuple[str, Any]]:
     """``(name, default)`` of each argument of an op overload's schema, in order;
     the default is ``NO_DEFAULT`` where the argument has none."""
     return [(a.name, a.default_value if a.has_default_value() else _NO_DEFAULT)

@@ -474,20 +474,6 @@ def test_dtensor_cuda_all_to_all_is_a_collective():
     assert [(c.kind, c.shape, c.axis, c.group_size) for c in calls] == [("all_to_all", (4, 8), "dp", 2)]
 
 
-def _per_tensor_adamw(params, grads, state, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, wd=1e-2):
-    """AdamW as users write one over a flat dict of parameters: elementwise ops per
-    parameter, each gradient read twice (``g`` and ``g * g``)."""
-    step = state["step"] + 1
-    new, m, v = {}, {}, {}
-    for k, p in params.items():
-        g = grads[k]
-        m[k] = state["m"][k] * b1 + g * (1 - b1)
-        v[k] = state["v"][k] * b2 + g * g * (1 - b2)
-        update = (m[k] / (1 - b1 ** step)) / ((v[k] / (1 - b2 ** step)).sqrt() + eps)
-        new[k] = p * (1 - lr * wd) - lr * update
-    return new, {"step": step, "m": m, "v": v}
-
-
 def test_gradient_buckets_do_not_depend_on_the_optimizer():
     """Issue 23: a GPT step over a ``named_parameters()``-style dict (dotted keys),
     lowered on an abstract mesh of 2. With a per-parameter AdamW, DataParallelMode
@@ -502,6 +488,7 @@ def test_gradient_buckets_do_not_depend_on_the_optimizer():
 
     import optree
 
+    from benchmarks._models import per_tensor_adamw
     from examples import gpt
     from sharded import Mesh, P, optim
     from sharded.modes import DataParallelMode, DTensorExpandMode
@@ -523,7 +510,7 @@ def test_gradient_buckets_do_not_depend_on_the_optimizer():
             return (*update(p, grads, o), value)
         return step
 
-    optimizers = {"per_tensor": _per_tensor_adamw, "optim.adamw": optim.adamw}
+    optimizers = {"per_tensor": per_tensor_adamw, "optim.adamw": optim.adamw}
     modes = {"replicate": DataParallelMode("replicate"), "shard": DataParallelMode("shard"),
              "expand": DTensorExpandMode()}
     counts, reduced = {}, {}

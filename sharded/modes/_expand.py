@@ -33,7 +33,7 @@ from sharded import _region, _registry, _torch, rules  # noqa: F401  (rules regi
 from sharded.api import CONSTRAINT_OP, constraint_spec
 from sharded.modes.base import Partitioned, ShardingRuleError
 from sharded.random.rewrite import RNG_OP, sample
-from sharded.spec import block, check_spec, from_placements, local_shape, to_placements
+from sharded.spec import block, check_spec, from_placements, local_shape, reduced, to_placements
 
 _NO_RULE = "does not have a sharding strategy registered"
 
@@ -390,11 +390,6 @@ def _elementwise_lists(ex: Expander, target, args, kwargs):
 
 
 # -- placement helpers ------------------------------------------------------------------------
-
-def reduced(placements) -> tuple:
-    """``placements`` with every pending reduction done (Partial -> Replicate)."""
-    return tuple(Replicate() if _torch.is_partial(p) else p for p in placements)
-
 
 def contiguous_strides(shape) -> tuple:
     strides, acc = [], 1
