@@ -18,8 +18,9 @@ from torch.distributed.tensor import DTensor
 from sharded import _torch, _tree
 from sharded._arguments import Signature
 from sharded._fingerprint import ambient
-from sharded._program import Forward, local_input
+from sharded._program import Forward
 from sharded.mesh import Mesh
+from sharded.spec import local_slice
 from sharded.modes._runner import RunState
 
 # NOTE [The program cache is keyed on the function]
@@ -246,13 +247,16 @@ class Steady:
                     expect[j] = spec
                 if x.requires_grad or _torch.donated_message(x) is not None:
                     return None
-                shards.append(local_input(x, None, self.entry.mesh))
+                # local_input's DTensor case, inline (this loop runs per leaf per call;
+                # requires_grad was refused above)
+                local = _torch.local_tensor(x)
+                shards.append(local if local.is_contiguous() else local.contiguous())
             elif t is torch.Tensor:
                 if type(want) is not tuple or want[0] != "tensor" or x.shape != want[1] \
                         or x.dtype != want[2] or x.device != want[3] or x.requires_grad \
                         or _torch.is_functorch_wrapped(x):
                     return None
-                shards.append(local_input(x, plan[j], self.entry.mesh))
+                shards.append(local_slice(x, plan[j], self.entry.mesh))   # (local_input's plain case)
             elif isinstance(x, torch.Tensor) or type(want) is not tuple or want[0] != "static" \
                     or t is not want[1] or not (x is want[2] or x == want[2]):
                 return None

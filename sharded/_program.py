@@ -103,7 +103,6 @@ class Forward(Program):
     def outcome(self, leaves: list) -> sync.Outcome:
         """What this call brings to the cross-rank agreement (no communication):
         checks DTensor inputs and folds in those that will be redistributed."""
-        dm = self.mesh.device_mesh
         moves = []
         if self.differentiable:           # torch.func-wrapped inputs: look at what they wrap
             leaves = [_torch.functorch_base(x) if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -129,7 +128,8 @@ class Forward(Program):
         return sync.Outcome(program, lines, self.random_state(),
                             self._values(plain, leaves) if plain else ())
 
-    def _locals(self, leaves: list, plan: list, agreement: sync.Agreement | None) -> list:
+    def _locals(self, leaves: list, plan: list, agreement: sync.Agreement | None,
+                tensors_only: bool = False) -> list:
         """This rank's input tensors for the program (``plan``: per leaf, its
         placements, or None for a static leaf)."""
         locals_ = []
@@ -139,14 +139,22 @@ class Forward(Program):
             if isinstance(leaf, DTensor) and leaf.placements != pl:
                 sync.agreed(agreement)   # (redistributing communicates: the ranks agree first)
             locals_.append(local_input(leaf, pl, self.mesh))
-        return self._complete(locals_, agreement)
+        return self._complete(locals_, agreement, leaves, tensors_only)
 
-    def _complete(self, locals_: list, agreement: sync.Agreement | None) -> list:
+    def _complete(self, locals_: list, agreement: sync.Agreement | None, leaves: list,
+                  tensors_only: bool = False) -> list:
         """The inputs' shards, with donated inputs given storage of their own, this
         call's random seed and offsets appended, and its agreement last (the program
-        checks it: NOTE [The agreement overlaps the program])."""
+        checks it: NOTE [The agreement overlaps the program]). ``leaves``: the
+        dynamic leaves, or (``tensors_only``) the tensor inputs."""
         if self.donated:
             _separate_donated(locals_, self.donated_local)
+            for i, k in zip(self.donated, self.donated_local):
+                leaf = _torch.functorch_base(leaves[k if tensors_only else i])
+                if not isinstance(leaf, DTensor):
+                    # a plain input stays the caller's (NOTE [Donation]): its shard can
+                    # be the caller's own storage, which the program would write
+                    locals_[k] = locals_[k].clone()
         self.with_random_inputs(locals_).append(agreement)
         return locals_
 
@@ -156,7 +164,7 @@ class Forward(Program):
         them (NOTE [The steady-state call]); ``agreement``: the call's, not yet
         checked."""
         locals_ = self._locals(leaves, self.in_plan, agreement) if shards is None \
-            else self._complete(shards, agreement)
+            else self._complete(shards, agreement, leaves)
         if self.donated:
             try:
                 outs = iter(self.runner(*locals_))
@@ -197,7 +205,7 @@ class Forward(Program):
     def forward(self, tensors: list) -> tuple[list, list]:
         """The forward program on the tensor inputs: (output DTensors, residuals)."""
         plan = [pl for pl in self.in_plan if pl is not None]
-        locals_ = self._locals(tensors, plan, None)     # (its call agreed, blocking)
+        locals_ = self._locals(tensors, plan, None, tensors_only=True)   # (agreed, blocking)
         if self.donated:
             try:
                 outs = self.runner(*locals_)
@@ -216,11 +224,6 @@ class Backward(Program):
     """The backward program of a differentiable call (NOTE [pjit under autograd] in
     sharded/_autograd.py): residuals and cotangents in, gradients out."""
 
-    global_graph: fx.GraphModule
-    local_graph: fx.GraphModule
-    runner: Any
-    mesh: Any
-    name: str
     res_moves: list            # per residual: None, or (src spec, dst placements) to redistribute
     tan_specs: list            # per cotangent input: the DTensorSpec it must arrive as
     grad_specs: list           # per gradient output: its DTensorSpec
@@ -228,6 +231,7 @@ class Backward(Program):
     def outcome(self, cotangents) -> sync.Outcome:
         moves = []
         for k, (g, spec) in enumerate(zip(cotangents, self.tan_specs)):
+            check_on_mesh(g, self.mesh, f"the cotangent of output {k}", self.name)
             if isinstance(g, DTensor) and tuple(g.placements) != tuple(spec.placements):
                 moves.append((k, tuple(g.placements)))
         rng = self.random_state()
@@ -252,7 +256,7 @@ class Backward(Program):
             if move is not None:           # a residual's layout the backward takes otherwise
                 src, dst = move
                 r = local_input(_torch.make_dtensor(r, src), dst, self.mesh)
-            locals_.append(r.contiguous())
+            locals_.append(r if r.is_contiguous() else r.contiguous())
         for g, spec in zip(cotangents, self.tan_specs):
             if g is None:
                 g = torch.zeros(spec.shape, dtype=spec.tensor_meta.dtype)
@@ -274,7 +278,8 @@ class Backward(Program):
 # old (or overwritten) values; so is passing it to pjit again. Every donated DTensor
 # is consumed, whether or not its storage could be reused (a warning at compile time
 # names those that could not). Plain tensors are never written or consumed: a plain
-# input is the same value on every rank, sliced locally, and stays the caller's. A
+# input is the same value on every rank, sliced locally, and stays the caller's (a
+# donated one's shard is copied before the run, since it may be the caller's storage). A
 # donated shard that shares memory with another input of the same call is copied
 # first (the program would overwrite what the other input reads).
 

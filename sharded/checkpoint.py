@@ -397,7 +397,8 @@ def _agree_to_save(outcome, world: int, rank: int, group, api: str) -> str:
 
 def _agree(outcome, rank: int, group, api: str, what: str) -> list:
     """Every rank's outcome (rank order); raises CheckpointError on every rank when one
-    failed before the {what} or could not take part (sharded.sync.exchange)."""
+    failed before the save or load (``what``) or could not take part
+    (sharded.sync.exchange)."""
     def unreachable(e):
         return CheckpointError(f"{api}: ranks could not agree before the {what} (a rank did "
                                f"not call {what}, or died): {e}")

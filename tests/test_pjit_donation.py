@@ -155,6 +155,34 @@ def test_donated_train_step_default_mode(on_ranks):
         assert saved >= params, (saved, params)
 
 
+def _donated_plain_inputs_stay_the_callers():
+    """NOTE [Donation]: a plain tensor is one global value the caller keeps; donating
+    it lets the program write into a copy of its shard, never into the caller's
+    tensor. The program below computes in place on the donated input (its storage is
+    reused: ``Lowered.donated``), and the caller's tensor is the same after the first
+    and the steady calls, replicated (the shard is the whole tensor) or split over
+    "dp" (each rank's rows, a view of the caller's tensor)."""
+    mesh = Mesh((2,), ("dp",))
+    out = []
+    for spec in (P(), P("dp")):
+        w = torch.arange(8.0)
+        before = w.clone()
+        f = pjit(lambda w: w * 2 + 1, in_specs=spec, out_specs=spec, mesh=mesh,
+                 donate_argnums=0)
+        reused = f.lower(w).donated
+        results = [gather(f(w)) for _ in range(3)]     # the first call, then steady
+        out.append((reused, [torch.equal(r, before * 2 + 1) for r in results],
+                    torch.equal(w, before)))
+    return out
+
+
+def test_donated_plain_inputs_stay_the_callers(on_ranks):
+    for rank in on_ranks(2, _donated_plain_inputs_stay_the_callers):
+        for reused, right, unchanged in rank:
+            assert reused == {"args[0]": "output"}, reused      # written in place...
+            assert all(right) and unchanged                      # ...into a copy
+
+
 _RESIDENT_PROBE = """
 import threading, torch
 from benchmarks._models import exact_heap, peak_resident_bytes

@@ -224,7 +224,9 @@ class Expander(fx.Interpreter):
 #   collective is a pure op of its input): the program is the same, without running
 #   DTensor's redistribute and recording its collective, wait, chunk and cat again
 #   for each copy. The key holds the value itself, so an id reused by a freed
-#   tensor never hits.
+#   tensor never hits. It relies on the global program being functional (pjit's
+#   trace functionalizes it): no op writes into a value once it is made, so its
+#   redistributed copy stays right for every later reader.
 # - Redistributes skip the autograd Function around them (nothing here needs a
 #   gradient; ``_torch.redistribute_untracked``).
 # The local programs are the same as without these (the benchmark's GPT-2-small step

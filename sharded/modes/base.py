@@ -51,7 +51,7 @@ class Partitioned:
 # order by ``run_passes``. Each pass states beside it the passes that must run before
 # it where the list has them (``after``; ``check_order`` enforces it when a mode class
 # is defined), and ``when`` the modes that run it (DataParallelMode's "shard" steps).
-# Every mode starts with CLEANUP and ends with SCHEDULE's reinplacing; the
+# Every mode starts with CLEANUP and ends with REINPLACE; the
 # communication schedule between them is the mode's.
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ from sharded.modes._pending import is_masked, linear_in_partial, reduce_where_pr
 from sharded.passes import (DEFAULT_BUCKET_BYTES, bound_reduce_scatters, bucket_all_gathers,
                             bucket_all_reduces, bucket_reduce_scatters, prefetch_all_gathers,
                             regather_distant_uses, sink_waits)
-from sharded.spec import P, from_placements, reduced, to_placements
+from sharded.spec import from_placements, reduced, to_placements
 
 _F = _torch.c10d_functional
 
