@@ -142,7 +142,7 @@ class _Timers:
         self._wrap(pj, "trace_global", "trace")
         self._wrap(pj, "fingerprint", "fingerprint")
         self._wrap(DTensorExpandMode, "partition", "partition")
-        self._wrap(DTensorExpandMode, "transform_and_compile", "passes")
+        self._wrap(pj, "passes_and_finalize", "passes")
 
     def _wrap(self, owner, name, key):
         orig = getattr(owner, name)

@@ -557,3 +557,34 @@ def test_pass_lists_are_declared_in_order():
         check_order(swapped, "test")
     with pytest.raises(ValueError, match="must come after"):
         type("Reversed", (DTensorExpandMode,), {"passes": tuple(reversed(DTensorExpandMode.passes))})
+
+
+def test_a_mode_that_overrides_transform_and_compile_still_gets_finalized():
+    """sharded/lowering.py runs a mode's declared pass list with one code generation
+    at the end; a custom mode that overrides ``transform_and_compile`` (as
+    docs/concepts.md shows) is called instead, and its program is still finalized:
+    outputs unaliased and the agreement point in place, with code that matches its
+    graph."""
+    from sharded import Mesh, P, sync
+    from sharded.modes import DTensorExpandMode
+    from transforms import pjit
+
+    calls = []
+
+    class Logged(DTensorExpandMode):
+        def transform_and_compile(self, graph, mesh):
+            calls.append(len(graph.graph.nodes))
+            return super().transform_and_compile(graph, mesh)
+
+    def f(x):
+        y = x * 2
+        return y, y                                   # two outputs of one value
+    mesh = Mesh.abstract((2,), ("dp",))
+    for mode in (Logged(), DTensorExpandMode()):
+        low = pjit(f, in_specs=P("dp"), mesh=mesh, mode=mode).lower(torch.ones(4, 2))
+        gm = low.local_graph
+        assert any(n.target is sync.agreed for n in gm.graph.nodes)
+        assert "agreed" in gm.code and "clone" in gm.code     # the code is the graph's
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        assert out[0] is not out[1]                             # unaliased
+    assert len(calls) == 1

@@ -103,14 +103,17 @@ def check_order(passes: Sequence[Pass], owner: str = "") -> None:
             raise ValueError(f"{owner} pass list: {p.name!r} must come after {late}.")
 
 
-def run_passes(graph: fx.GraphModule, passes: Sequence[Pass], mode: "ParallelMode") -> fx.GraphModule:
+def run_passes(graph: fx.GraphModule, passes: Sequence[Pass], mode: "ParallelMode",
+               recompile: bool = True) -> fx.GraphModule:
     """``passes`` in order on ``graph`` (those whose ``when`` holds for ``mode``), then
-    one lint and one recompile (the passes only edit ``graph.graph``)."""
+    one lint and one recompile (the passes only edit ``graph.graph``; ``recompile=False``
+    leaves the code generation to a caller that edits the graph further)."""
     for p in passes:
         if p.when is None or p.when(mode):
             graph = p.run(graph, mode)
     graph.graph.lint()      # a pass that moved a node before its input fails here
-    graph.recompile()
+    if recompile:
+        graph.recompile()
     return graph
 
 
