@@ -94,10 +94,6 @@ class Pjit:
         self.name = f"pjit({getattr(fn, '__name__', type(fn).__name__)})"
         self.arguments = Arguments(fn, self.name, in_specs, out_specs, static_argnums,
                                    static_argnames, donate_argnums, donate_argnames)
-        self.static_argnums = self.arguments.static_argnums
-        self.static_argnames = self.arguments.static_argnames
-        self.donate_argnums = self.arguments.donate_argnums
-        self.donate_argnames = self.arguments.donate_argnames
         try:
             config: tuple | None = ((type(self.mode), self.mode.cache_key()),
                                     *self.arguments.config())

@@ -87,6 +87,12 @@ class Forward(Program):
     donated_msgs: list = field(default_factory=list)
     reused: dict = field(default_factory=dict)     # donated input path -> output path
 
+    def __post_init__(self):
+        # derived once, read per call: the tensor leaves' placements and the tensor
+        # outputs' DTensorSpecs
+        self.tensor_plan = [pl for pl in self.in_plan if pl is not None]
+        self.out_dtensor_specs = [v for kind, v in self.out_plan if kind != "static"]
+
     def steady_outcome(self, plain: list[int], leaves: list) -> sync.Outcome:
         """``outcome`` for inputs already in the planned layouts; ``plain``: the
         indices of the leaves that are plain tensors (their values are checked: NOTE
@@ -177,9 +183,7 @@ class Forward(Program):
             self._consume(leaves)
         else:
             outs = iter(self.runner(*locals_))
-        flat = [v if kind == "static" else _torch.make_dtensor(next(outs), v)
-                for kind, v in self.out_plan]
-        return _tree.unflatten(self.out_treedef, flat)
+        return self.outputs(map(_torch.make_dtensor, outs, self.out_dtensor_specs))
 
     # -- donation (NOTE [Donation]) ------------------------------------------------------
     def _consume(self, leaves: list, tensors_only: bool = False) -> None:
@@ -204,8 +208,7 @@ class Forward(Program):
 
     def forward(self, tensors: list) -> tuple[list, list]:
         """The forward program on the tensor inputs: (output DTensors, residuals)."""
-        plan = [pl for pl in self.in_plan if pl is not None]
-        locals_ = self._locals(tensors, plan, None, tensors_only=True)   # (agreed, blocking)
+        locals_ = self._locals(tensors, self.tensor_plan, None, tensors_only=True)  # (agreed, blocking)
         if self.donated:
             try:
                 outs = self.runner(*locals_)
@@ -214,8 +217,8 @@ class Forward(Program):
         else:
             outs = self.runner(*locals_)
         n = self.n_tensor_out
-        specs = [v for kind, v in self.out_plan if kind != "static"]
-        return [_torch.make_dtensor(o, spec) for o, spec in zip(outs[:n], specs)], list(outs[n:])
+        return ([_torch.make_dtensor(o, spec) for o, spec in zip(outs[:n], self.out_dtensor_specs)],
+                list(outs[n:]))
 
 
 

@@ -247,3 +247,16 @@ def test_from_device_mesh_needs_axis_names(mesh1):
 
     with pytest.raises(ValueError, match=r"Mesh.from_device_mesh needs a DeviceMesh with mesh_dim_names"):
         Mesh.from_device_mesh(init_device_mesh("cpu", (1,)))
+
+
+def test_a_cotangent_on_another_mesh_is_refused_by_name(mesh1):
+    """The backward program checks each DTensor cotangent's mesh, as the forward checks
+    its inputs' (it would have redistributed on the cotangent's own mesh)."""
+    from sharded import shard
+
+    w = shard(torch.ones(4), P(), mesh1).requires_grad_()
+    out = pjit(lambda w: w * 2, in_specs=P(), mesh=mesh1)(w)
+    other = shard(torch.ones(4), P(), Mesh((1,), ("tp",)))
+    with pytest.raises(ValueError, match=r"pjit\(<lambda>\) backward: the cotangent of output 0 "
+                                         r"is a DTensor on .*not on the pjit mesh .*gather it"):
+        torch.autograd.grad(out, w, grad_outputs=other)
