@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from sharded import _registry
 
 OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
 
 
 def op_arg_names(target) -> list[str]:
@@ -343,7 +344,10 @@ def fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2
     """AdamW as one fused kernel over lists (the one ``torch.optim.AdamW(fused=True)``
     runs), functional: returns new ``(params, exp_avgs, exp_avg_sqs)``. A pass that
     finds the inputs dead afterwards may run it in place (``_fused_adamw_``)."""
-    out = torch.ops.aten._fused_adamw.default(
+    # sharded.optim: a 0-d tensor lr takes the kernel's tensor-lr overload (NOTE
+    # [Traced hyperparameters] in sharded/optim.py)
+    op = FUSED_ADAMW_TENSOR_LR if isinstance(lr, torch.Tensor) else FUSED_ADAMW
+    out = op(
         params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
         weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     return out[0], out[2], out[3]
@@ -351,6 +355,10 @@ def fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2
 
 FUSED_ADAMW = torch.ops.aten._fused_adamw.default
 FUSED_ADAMW_INPLACE = torch.ops.aten._fused_adamw_.default
+# sharded.optim: the fused kernel with ``lr`` a tensor (a schedule's value), and its
+# in-place form
+FUSED_ADAMW_TENSOR_LR = torch.ops.aten._fused_adamw.tensor_lr
+FUSED_ADAMW_TENSOR_LR_INPLACE = torch.ops.aten._fused_adamw_.tensor_lr
 
 
 def suspend_dispatch_modes():
@@ -809,3 +817,66 @@ def compile_ahead(module, example_inputs: list):
     fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
              for x in example_inputs]
     return compile_fx(module, fakes)
+
+
+# -- mixed precision (sharded/precision.py) -------------------------------------------
+
+def in_grad_transform() -> bool:
+    """Does the current code run under a torch.func gradient transform (grad,
+    grad_and_value, vjp, jacrev), at any depth of the transform stack?"""
+    if torch._C._functorch.maybe_current_level() is None:
+        return False
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    grad = torch._C._functorch.TransformType.Grad
+    return any(i.key() == grad for i in retrieve_all_functorch_interpreters())
+
+
+def is_grad_tracking(x: torch.Tensor) -> bool:
+    """Is ``x`` a torch.func grad transform's wrapper (a GradTrackingTensor)?"""
+    return torch._C._functorch.is_gradtrackingtensor(x)
+
+
+# -- activation checkpointing (sharded/_remat.py) -------------------------------------
+
+# NOTE [torch.utils.checkpoint while tracing]
+# Under torch.func.grad (pjit's trace of a train step) torch's checkpoint fails:
+# the reentrant form is an autograd.Function without setup_context, and the
+# non-reentrant form uses saved-tensor hooks, which functorch does not support. Under
+# the joint trace it would run, and its recomputation would be traced as plain
+# forward ops: saves inlined, not recomputation. So while pjit traces, the function
+# ``torch.utils.checkpoint.checkpoint`` calls is swapped for sharded's remat region
+# (``redirect``). Hugging Face binds ``functools.partial(checkpoint, ...)`` at
+# ``gradient_checkpointing_enable()``, so the name cannot be patched; the swap is of
+# the callee of torch's ``_disable_dynamo`` wrapper around checkpoint, which calls
+# ``fn.__dynamo_disable`` (the wrapped function's cached attribute) when it is set.
+
+@contextlib.contextmanager
+def torch_checkpoint_as(redirect):
+    """While inside: ``torch.utils.checkpoint.checkpoint(function, *args, **kw)`` (and
+    checkpoint_sequential, which calls it) calls ``redirect(function, *args, **kw)``."""
+    import torch.utils.checkpoint as tuc
+
+    inner = getattr(tuc.checkpoint, "__wrapped__", None)
+    if inner is None or "fn" not in getattr(tuc.checkpoint.__code__, "co_freevars", ()):
+        raise RuntimeError("sharded: torch.utils.checkpoint.checkpoint is not the "
+                           "_disable_dynamo wrapper this torch version was expected to have "
+                           "(NOTE [torch.utils.checkpoint while tracing] in sharded/_torch.py).")
+    key = "__dynamo_disable"
+    had = key in vars(inner)
+    before = vars(inner).get(key)
+    setattr(inner, key, redirect)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(inner, key, before)
+        else:
+            delattr(inner, key)
+
+
+def is_noop_checkpoint_context(context_fn) -> bool:
+    """Is ``context_fn`` torch.utils.checkpoint's default (no selective policy)?"""
+    import torch.utils.checkpoint as tuc
+
+    return context_fn is tuc.noop_context_fn

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from sharded import _region, _torch
+from sharded import _region, _remat, _torch
 from sharded._registry import META_PHASE
 from sharded.errors import CapturedStateError, TracingError
 from sharded.sync import add_note
@@ -84,7 +84,10 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
                     # stack traces: errors in later steps name the user's source line;
                     # libraries see an export-style trace (NOTE [Tracing as torch.export
                     # does] in sharded/_torch.py)
-                    with _torch.user_stack_traces(), _torch.export_tracing_state():
+                    # torch.utils.checkpoint calls become remat regions (NOTE
+                    # [torch.utils.checkpoint while tracing] in sharded/_torch.py)
+                    with _torch.user_stack_traces(), _torch.export_tracing_state(), \
+                            _torch.torch_checkpoint_as(_remat.torch_checkpoint):
                         gm = make_fx(traced, tracing_mode="fake")(*fakes)
                 finally:
                     if state is not None:
