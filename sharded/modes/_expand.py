@@ -363,7 +363,7 @@ def _cat(ex: Expander, args, kwargs):
 # out as its parameter is (after the mode's policy reduced the pending gradients:
 # an all-reduce, or a reduce-scatter onto the parameter's shards), the kernel runs on
 # the local shards, and each result takes its parameter's placements.
-_ELEMENTWISE_LISTS = {_torch.FUSED_ADAMW}
+_ELEMENTWISE_LISTS = {_torch.FUSED_ADAMW, _torch.FUSED_ADAMW_TENSOR_LR}   # lr a float or a tensor
 
 
 def _elementwise_lists(ex: Expander, target, args, kwargs):
@@ -383,6 +383,9 @@ def _elementwise_lists(ex: Expander, target, args, kwargs):
             return [local(x) for x in a]
         return a
 
+    # a tensor lr (the tensor-lr overload) is one value on every rank
+    kwargs = {k: ex.redistribute(v, reduced(v.placements)) if isinstance(v, DTensor) else v
+              for k, v in kwargs.items()}
     outs = target(*[local(a) for a in laid], **{k: local(v) for k, v in kwargs.items()})
     dm = ex.mesh.device_mesh
     return tuple(

@@ -268,5 +268,6 @@ def _fused_inplace(graph: fx.GraphModule) -> bool:
     NOTE [Fused optimizer kernels in place])? Inductor in torch 2.13 cannot compile it
     ("mutating a non-functional tensor with a functional tensor"); such a program
     already updates its state in place, and "auto" keeps it a graph."""
-    return any(n.op == "call_function" and n.target is _torch.FUSED_ADAMW_INPLACE
+    return any(n.op == "call_function"
+               and n.target in (_torch.FUSED_ADAMW_INPLACE, _torch.FUSED_ADAMW_TENSOR_LR_INPLACE)
                for n in graph.graph.nodes)
