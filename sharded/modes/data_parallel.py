@@ -51,14 +51,15 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from sharded import _torch
+from sharded import _torch, precision
 from sharded.modes._expand import RNG_OP, SPECIAL_OPS, LayoutPolicy, expand
 from sharded.modes._runner import check_compile
 from sharded.modes.base import CLEANUP, EARLY_REDUCTIONS, REINPLACE, ParallelMode, Partitioned, Pass
 from sharded.modes._pending import is_masked, linear_in_partial, reduce_where_produced
 from sharded.passes import (DEFAULT_BUCKET_BYTES, bound_reduce_scatters, bucket_all_gathers,
-                            bucket_all_reduces, bucket_reduce_scatters, prefetch_all_gathers,
-                            regather_distant_uses, sink_waits)
+                            bucket_all_reduces, bucket_reduce_scatters, defer_chained_reductions,
+                            hoist_chained_reductions, prefetch_all_gathers, regather_distant_uses,
+                            sink_waits)
 from sharded.spec import from_placements, reduced, to_placements
 
 _F = _torch.c10d_functional
@@ -70,6 +71,11 @@ _EXPAND = torch.ops.aten.expand.default
 def _sharded(mode) -> bool:
     """Does ``mode`` shard state (the passes of FSDP's schedule)?"""
     return mode.param_sharding == "shard"
+
+
+def _hybrid(mode) -> bool:
+    """Does ``mode`` reduce over two data axes (NOTE [Chained reductions])?"""
+    return len(mode.axes) > 1
 
 
 class DataParallelMode(ParallelMode):
@@ -84,29 +90,41 @@ class DataParallelMode(ParallelMode):
       again for the backward), gradients are reduce-scattered in buckets, the
       optimizer runs on shards.
 
-    Sharding that the in_specs give over other mesh axes is kept: on a ("dp", "tp")
-    mesh, tensor-parallel specs compose with either layout in one program.
-    ``bucket_bytes`` caps a bucket of gradients or (``"shard"``) of parameter gathers;
+    ``axis`` is one mesh axis, or HSDP's pair ``(replicate, shard)`` (NOTE [HSDP]): the
+    batch split over both, state replicated over the first and laid out over the
+    second as above (``"replicate"``: DDP over both). Sharding that the in_specs give
+    over other mesh axes is kept: on a ("dp", "tp") mesh, tensor-parallel specs
+    compose with either layout in one program. ``bucket_bytes`` caps a bucket of gradients or (``"shard"``) of parameter gathers;
     buckets pack whole blocks, read off the parameters' pytree paths (NOTE
     [Bucketing]), so about one block's bytes gives FSDP's per-block schedule and a
     larger cap fewer, larger collectives. ``prefetch`` is how many parameter gather
     buckets are issued ahead of their use (``"shard"``). ``compile`` chooses what runs
     the local program, as for every mode (NOTE [Runners]: ``False``, ``True`` or
     ``"auto"``).
+
+    Mixed precision, FSDP2's ``MixedPrecisionPolicy`` (docs/precision.md):
+    ``param_dtype`` is the dtype the differentiated function (inside
+    ``torch.func.grad``) sees the step's floating inputs in: parameters are cast on
+    their shards and gathered in it, the forward and backward compute in it, and the
+    optimizer reads the fp32 masters and gradients (NOTE [Casts at use inside the
+    differentiated function] in sharded/precision.py). ``reduce_dtype`` is the dtype
+    gradients are reduced in: ``torch.float32`` reduces them after the cast back to
+    the masters' dtype; None reduces them in the dtype the backward produces,
+    ``param_dtype`` (NOTE [A pending sum through a cast] in _pending.py).
     """
 
     name = "DataParallelMode"
 
-    def __init__(self, param_sharding: str = "replicate", *, axis: str = "dp",
+    def __init__(self, param_sharding: str = "replicate", *, axis: str | tuple[str, str] = "dp",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, prefetch: int = 1,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  compile: bool | str = "auto"):
         if param_sharding not in _SHARDINGS:
             raise ValueError(
                 f"DataParallelMode param_sharding must be one of {_SHARDINGS}; got "
                 f"{param_sharding!r}."
             )
-        if not isinstance(axis, str):
-            raise TypeError(f"DataParallelMode axis must be a mesh axis name; got {axis!r}.")
+        axis = _check_axis(axis)
         if not (isinstance(bucket_bytes, int) and bucket_bytes > 0):
             raise ValueError(f"DataParallelMode bucket_bytes must be a positive int; got {bucket_bytes!r}.")
         if not (isinstance(prefetch, int) and prefetch >= 0):
@@ -115,52 +133,92 @@ class DataParallelMode(ParallelMode):
         self.axis = axis
         self.bucket_bytes = bucket_bytes
         self.prefetch = prefetch
+        self.param_dtype = precision.check_dtype("DataParallelMode", "param_dtype", param_dtype)
+        self.reduce_dtype = precision.check_dtype("DataParallelMode", "reduce_dtype", reduce_dtype)
         self.compile = check_compile(compile, "DataParallelMode")
 
     def cache_key(self) -> tuple:
         return (type(self).__name__, self.param_sharding, self.axis, self.bucket_bytes,
-                self.prefetch, self.compile)
+                self.prefetch, self.param_dtype, self.reduce_dtype, self.compile)
 
     def __repr__(self):
         extra = "" if self.compile == "auto" else f", compile={self.compile!r}"
+        for k in ("param_dtype", "reduce_dtype"):
+            if getattr(self, k) is not None:
+                extra = f", {k}={getattr(self, k)}" + extra
         return f"DataParallelMode({self.param_sharding!r}, axis={self.axis!r}{extra})"
+
+    def traced_function(self, fn):
+        """``fn`` computing in ``param_dtype`` inside the function it differentiates
+        (NOTE [Casts at use inside the differentiated function] in
+        sharded/precision.py), or ``fn`` itself without a ``param_dtype``."""
+        return fn if self.param_dtype is None else precision.in_grad(fn, self.param_dtype)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The data-parallel mesh axes: ``(axis,)``, or HSDP's ``(replicate, shard)``
+        (NOTE [HSDP])."""
+        return (self.axis,) if isinstance(self.axis, str) else tuple(self.axis)
+
+    def axis_indices(self, mesh) -> tuple[int, ...]:
+        """The mesh dims of ``axes``; an error naming the mesh's axes if one is not on it."""
+        missing = [a for a in self.axes if a not in mesh.axis_names]
+        if missing:
+            hint = (f"axis= one of {mesh.axis_names}" if isinstance(self.axis, str) else
+                    f"axis= a (replicate, shard) pair of distinct axes of {mesh.axis_names}")
+            raise ValueError(
+                f"{self!r}: mesh axis {missing[0]!r} is not in the mesh {mesh} (its axes: "
+                f"{mesh.axis_names}); pass {hint}, or build the mesh with an axis named "
+                f"{missing[0]!r}."
+            )
+        return tuple(mesh.axis_names.index(a) for a in self.axes)
 
     # -- partition ---------------------------------------------------------------------
     def partition(self, graph, in_placements, out_specs, mesh) -> Partitioned:
-        if self.axis not in mesh.axis_names:
-            raise ValueError(
-                f"{self!r}: mesh axis {self.axis!r} is not in the mesh {mesh}; pass "
-                f"axis= one of {mesh.axis_names}."
-            )
-        dp = mesh.axis_names.index(self.axis)
+        dps = self.axis_indices(mesh)
+        dp = dps[-1]
         placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
-        batch = self._check_batch_inputs(placeholders, in_placements, mesh, dp)
+        batch = self._check_batch_inputs(placeholders, in_placements, mesh, dps)
         layouts = [
             tuple(pl) if n in batch else self.state_placements(n.meta["val"].shape, pl, mesh, dp)
             for n, pl in zip(placeholders, in_placements)
         ]
-        policy = _DataParallelPolicy(self, mesh, dp, batch)
+        policy = _DataParallelPolicy(self, mesh, dps, batch)
         part = expand(graph, layouts, out_specs, mesh, policy, repr(self))
         part.in_placements = layouts
         part.layouts = policy.describe(graph, layouts, part.out_placements, mesh)
         return part
 
-    def _check_batch_inputs(self, placeholders, in_placements, mesh, dp) -> set:
+    def _check_batch_inputs(self, placeholders, in_placements, mesh, dps) -> set:
         """The batch inputs (their spec names the axis); they must agree on the size of
-        the batch they split. An input whose ``meta["sharded_kind"]`` says what it is
+        the batch they split. Under HSDP (two axes) a batch input splits one dim over
+        both (NOTE [HSDP]). An input whose ``meta["sharded_kind"]`` says what it is
         (pjit's backward program: a residual or cotangent of the forward, which the
         forward's analysis classified) is taken as that kind."""
         batch, sizes = set(), {}
         for n, pl in zip(placeholders, in_placements):
-            p = pl[dp]
+            ps = [pl[i] for i in dps]
             kind = n.meta.get("sharded_kind")
             if kind is not None:
-                if kind == "batch" and isinstance(p, Shard):
+                if kind == "batch" and all(isinstance(p, Shard) for p in ps):
                     batch.add(n)
                 continue
-            if isinstance(p, Shard):
-                batch.add(n)
-                sizes[n] = (p.dim, n.meta["val"].shape[p.dim])
+            if not any(_is_split(p) for p in ps):
+                continue
+            if len(dps) > 1 and not (all(isinstance(p, Shard) for p in ps)
+                                     and len({p.dim for p in ps}) == 1):
+                both = tuple(mesh.axis_names[i] for i in sorted(dps))
+                raise ValueError(
+                    f"{self!r}: input {_path(n)} names "
+                    f"{' and '.join(repr(mesh.axis_names[i]) for i, p in zip(dps, ps) if _is_split(p))} "
+                    f"in its spec, so it is a batch input, and a batch input under hybrid "
+                    f"sharding is split over both data axes {self.axes!r} on one dim: give it "
+                    f"the spec P({both!r}) (the axes in the mesh's order, on its batch dim), "
+                    f"or, if it is not batch, a spec without either axis."
+                )
+            d = ps[-1].dim
+            batch.add(n)
+            sizes[n] = (d, n.meta["val"].shape[d])
         if len({size for _, size in sizes.values()}) > 1:
             lines = "\n".join(f"  {_path(n)}: dim {d} (size {s})" for n, (d, s) in sizes.items())
             raise ValueError(
@@ -173,18 +231,21 @@ class DataParallelMode(ParallelMode):
 
     def state_placements(self, shape, placements, mesh, dp) -> tuple:
         """The layout of state of ``shape`` whose other mesh axes are laid out as
-        ``placements``: replicated over the axis (``"replicate"``), or split over it on
+        ``placements``: replicated over the axis (``"replicate"``), or split over it
+        (``dp``: HSDP's shard axis, replicated over its replicate axis) on
         its first dim that no other axis splits, where that dim divides (``"shard"``).
         State whose every dim another axis splits (a column-parallel bias, ``P("tp")``)
         is split on its first dim whose block divides, minor to those axes:
         ``P(("tp", "dp"))``, as FSDP2 lays out a tensor-parallel parameter (NOTE [Axes
         out of mesh order] in spec.py)."""
         out = list(placements)
-        out[dp] = Replicate()
+        dps = self.axis_indices(mesh)
+        for i in dps:                   # HSDP: replicated over the first axis too
+            out[i] = Replicate()
         if self.param_sharding != "shard":
             return tuple(out)
         n = mesh.shape[dp]
-        split = {i: p.dim for i, p in enumerate(placements) if i != dp and _is_split(p)}
+        split = {i: p.dim for i, p in enumerate(placements) if i not in dps and _is_split(p)}
         free = [d for d in range(len(shape)) if d not in split.values()]
         if free:
             if shape[free[0]] % n == 0 and shape[free[0]] >= n:
@@ -211,20 +272,52 @@ class DataParallelMode(ParallelMode):
         Pass("regather_distant_uses", lambda g, m: regather_distant_uses(g), after=("cse",),
              when=_sharded),
         *EARLY_REDUCTIONS,
+        Pass("defer_chained_reductions", lambda g, m: defer_chained_reductions(g),
+             after=("hoist_reductions",), when=_hybrid),
         Pass("bucket_reduce_scatters", lambda g, m: bucket_reduce_scatters(g, m.bucket_bytes),
-             after=("hoist_reductions",), when=_sharded),
+             after=("hoist_reductions", "defer_chained_reductions"), when=_sharded),
         Pass("bucket_all_gathers", lambda g, m: bucket_all_gathers(g, m.bucket_bytes),
              after=("regather_distant_uses",), when=_sharded),
         Pass("bucket_all_reduces", lambda g, m: bucket_all_reduces(g, m.bucket_bytes),
-             after=("hoist_reductions",)),
+             after=("hoist_reductions", "defer_chained_reductions")),
         Pass("sink_waits", lambda g, m: sink_waits(g),
              after=("bucket_reduce_scatters", "bucket_all_gathers", "bucket_all_reduces")),
         Pass("bound_reduce_scatters", lambda g, m: bound_reduce_scatters(g, inflight=1),
              after=("sink_waits",), when=_sharded),
+        Pass("hoist_chained_reductions", lambda g, m: hoist_chained_reductions(g),
+             after=("sink_waits", "bound_reduce_scatters"), when=_hybrid),
         Pass("prefetch_all_gathers", lambda g, m: prefetch_all_gathers(g, m.prefetch),
              after=("sink_waits",), when=_sharded),
         REINPLACE,
     )
+
+
+def _check_axis(axis):
+    """``axis`` as the mode keeps it: a mesh axis name, or HSDP's (replicate, shard)
+    pair of distinct names (NOTE [HSDP]); a clear error for anything else."""
+    if isinstance(axis, str):
+        return axis
+    fix = ('pass axis= one mesh axis name ("dp"), or, for hybrid sharding (HSDP), a '
+           '(replicate, shard) pair of distinct mesh axis names such as '
+           '("dp_replicate", "dp_shard")')
+    if not isinstance(axis, (tuple, list)):
+        raise TypeError(f"DataParallelMode axis must be a mesh axis name or a pair of them; "
+                        f"got {axis!r}: {fix}.")
+    bad = [a for a in axis if not isinstance(a, str)]
+    if bad:
+        raise TypeError(f"DataParallelMode axis={tuple(axis)!r}: {bad[0]!r} is not a mesh "
+                        f"axis name (a str); {fix}.")
+    if len(axis) == 1:
+        return axis[0]
+    if len(axis) != 2:
+        raise ValueError(f"DataParallelMode axis={tuple(axis)!r} names {len(axis)} axes; data "
+                         f"parallelism takes one axis, or two for HSDP (parameters replicated "
+                         f"over the first, sharded over the second): {fix}. Other mesh axes "
+                         f"(\"tp\") are laid out by the in_specs.")
+    if axis[0] == axis[1]:
+        raise ValueError(f"DataParallelMode axis={tuple(axis)!r} names mesh axis {axis[0]!r} "
+                         f"twice; {fix}, or axis={axis[0]!r} for one axis.")
+    return tuple(axis)
 
 
 def _path(node: fx.Node) -> str:
@@ -274,13 +367,38 @@ def _path(node: fx.Node) -> str:
 # reduced where produced like any other: the same buckets with either optimizer.
 
 
+# NOTE [HSDP]
+# ``axis=("dp_replicate", "dp_shard")`` is FSDP2's 2-D mesh convention (torchtitan's
+# dp_replicate x fsdp): the batch is split over both axes (``P(("dp_replicate",
+# "dp_shard"))``, on one dim, the axes in the mesh's order), state is laid out over
+# "dp_shard" by ``state_placements`` and replicated over "dp_replicate". The analysis
+# is the one of NOTE [Batch-dim analysis] over the pair: a value is batch when it is
+# split over both axes, a pending sum over either is reduced where the batch meets
+# it, parameters are gathered over "dp_shard" only (``dp``, the second axis). A
+# gradient, pending over both axes, is reduced in two steps: reduce-scattered over
+# "dp_shard" onto its parameter's shard, then that shard all-reduced over
+# "dp_replicate", so the replicate axis (across hosts, in torchtitan's layout) moves
+# 1/n of the bytes (FSDP2's order; DTensor's own plan for (Partial, Partial) ->
+# (Replicate, Shard) is free to all-reduce the full gradient first). The passes
+# bucket both steps (NOTE [Chained reductions] in sharded/passes/bucketing.py).
+# ``"replicate"`` with a pair is DDP over both axes (kept rather than rejected: a
+# torchtitan-style mesh switches layouts without a new mesh): a sum pending over every
+# axis of the mesh is one all-reduce over the world (NOTE [One reduction over every
+# mesh axis]); beside "tp" (two of three axes), one all-reduce per axis, the
+# "dp_shard" one first. A mean loss's pending divisor (its count of targets) is
+# reduced before the division and its numerator travels (a division is linear in
+# its numerator): DTensor's plan for a sum over a count, both pending, reduced the
+# count one axis after the other.
+
+
 class _DataParallelPolicy(LayoutPolicy):
     """NOTE [Batch-dim analysis]."""
 
-    def __init__(self, mode: DataParallelMode, mesh, dp: int, batch_inputs: set):
+    def __init__(self, mode: DataParallelMode, mesh, dps: tuple[int, ...], batch_inputs: set):
         self.mode = mode
         self.mesh = mesh
-        self.dp = dp
+        self.dps = dps        # the data axes' mesh dims (HSDP: replicate, shard)
+        self.dp = dps[-1]     # the one state is split over ("shard")
         self.batch: set[fx.Node] = set(batch_inputs)   # values that hold the batch split
         self._reads_batch = False                     # does the current op read the batch?
         self._batch_dims: dict[tuple, set[int]] = {}  # shape of a batch value -> its batch dims
@@ -288,19 +406,34 @@ class _DataParallelPolicy(LayoutPolicy):
     # -- kinds -----------------------------------------------------------------------------
     def is_batch(self, ex, node) -> bool:
         v = ex.env.get(node)
-        return node in self.batch and isinstance(v, DTensor) and isinstance(v.placements[self.dp], Shard)
+        return node in self.batch and isinstance(v, DTensor) and self._batch_split(v)
 
     def _dp(self, x):
         return x.placements[self.dp]
 
+    def _batch_split(self, x) -> bool:
+        """Is ``x`` split over every data axis (the batch's layout)?"""
+        return all(isinstance(x.placements[i], Shard) for i in self.dps)
+
+    def _over_dps(self, x, kind) -> bool:
+        """Is ``x`` laid out as ``kind`` (Replicate, ...) over every data axis?"""
+        return all(isinstance(x.placements[i], kind) for i in self.dps)
+
     # -- hooks -------------------------------------------------------------------------------
     def before_op(self, ex, node, target, args, kwargs):
+        if target.overloadpacket is torch.ops.aten.div and len(args) > 1 \
+                and isinstance(args[1], DTensor) and _has_partial(args[1]):
+            # a pending divisor (a mean loss's count of targets) is reduced, the
+            # pending numerator travels (NOTE [HSDP]: over both data axes, one
+            # all-reduce, where DTensor reduced one axis after the other)
+            args = (args[0], self._reduce(ex, args[1], (Replicate(),) * len(args[1].placements)),
+                    *args[2:])
         batch_vals = {id(ex.env[a]): a for a in node.all_input_nodes if self.is_batch(ex, a)}
         self._reads_batch = bool(batch_vals)
         batch_args = {}       # id of the local tensor the op gets -> the batch input node
         dts = [a for a in _tensors((args, kwargs)) if isinstance(a, DTensor)]
         partial = [a for a in dts if _has_partial(a)]
-        travels = bool(partial) and _travels(target, args, dts, partial)
+        travels = bool(partial) and _travels(target, args, kwargs, dts, partial, self.mode.reduce_dtype)
         meets_state = any(_is_split(self._dp(a)) and id(a) not in batch_vals
                           and not _has_partial(a) for a in dts)
 
@@ -316,7 +449,7 @@ class _DataParallelPolicy(LayoutPolicy):
                     a = self._reduce(ex, a, *self._state_layout(a, peers))
                 else:
                     a = self._reduce(ex, a, (Replicate(),) * len(a.placements))
-            elif batch_vals and _torch.is_partial(self._dp(a)):
+            elif batch_vals and any(_torch.is_partial(a.placements[i]) for i in self.dps):
                 a = self._reduce(ex, a, (Replicate(),) * len(a.placements), others=False)
             if source is not None:
                 batch_args[id(_torch.local_tensor(a))] = (source, a)
@@ -337,7 +470,7 @@ class _DataParallelPolicy(LayoutPolicy):
         if node.op != "call_function":
             return result
         if node.target is operator.getitem:
-            if node.args[0] in self.batch and isinstance(result, DTensor) and isinstance(self._dp(result), Shard):
+            if node.args[0] in self.batch and isinstance(result, DTensor) and self._batch_split(result):
                 self._add_batch(node, result)
         else:
             if node.target in SPECIAL_OPS:
@@ -345,11 +478,12 @@ class _DataParallelPolicy(LayoutPolicy):
             else:
                 reads = self._reads_batch
             self._reads_batch = False
-            if reads and any(isinstance(self._dp(v), Shard) for v in _tensors(result) if isinstance(v, DTensor)):
+            if reads and any(self._batch_split(v) for v in _tensors(result) if isinstance(v, DTensor)):
                 self._add_batch(node, result)
             elif node.target is _EXPAND and isinstance(result, DTensor):
                 result = self._split_broadcast(ex, node, result)
-        if isinstance(result, DTensor) and _has_partial(result) and _reduced_by_readers(node, result):
+        if isinstance(result, DTensor) and _has_partial(result) \
+                and _reduced_by_readers(node, result, self.mode.reduce_dtype):
             # reduced once, where produced (NOTE [Batch-dim analysis]), to the layout
             # of the state its readers combine it with; a getitem too (NOTE [An
             # element of a multi-output op's result])
@@ -363,7 +497,7 @@ class _DataParallelPolicy(LayoutPolicy):
         node = out_node.args[0][index]
         done = reduced(value.placements)
         # (``value``, not ``ex.env``: the interpreter has freed the values by now)
-        if isinstance(node, fx.Node) and node in self.batch and isinstance(self._dp(value), Shard):
+        if isinstance(node, fx.Node) and node in self.batch and self._batch_split(value):
             return done
         return self.mode.state_placements(value.shape, list(done), self.mesh, self.dp)
 
@@ -371,14 +505,14 @@ class _DataParallelPolicy(LayoutPolicy):
     def _add_batch(self, node, value) -> None:
         self.batch.add(node)
         for v in _tensors(value):
-            if isinstance(v, DTensor) and isinstance(self._dp(v), Shard):
+            if isinstance(v, DTensor) and self._batch_split(v):
                 self._batch_dims.setdefault(tuple(v.shape), set()).add(self._dp(v).dim)
 
     def _split_broadcast(self, ex, node, value):
         """NOTE [A broadcast to the batch's shape]: ``value`` (an expand) split on the
         batch dim where it has the shape of a batch value and broadcasts along that dim."""
         dims = self._batch_dims.get(tuple(value.shape), set())
-        if len(dims) != 1 or not isinstance(self._dp(value), Replicate):
+        if len(dims) != 1 or not self._over_dps(value, Replicate):
             return value
         d = next(iter(dims))
         src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
@@ -386,7 +520,7 @@ class _DataParallelPolicy(LayoutPolicy):
         if src is not None and d >= lead and src.shape[d - lead] != 1:
             return value              # not broadcast along the batch dim: a copy per example
         self.batch.add(node)
-        return self._with_dp(ex, value, Shard(d))      # a slice of this rank's examples
+        return self._with_dps(ex, value, Shard(d))     # a slice of this rank's examples
 
     def _state_layout(self, value, peers) -> tuple[tuple, bool]:
         """The layout a pending sum ``value`` is reduced to (NOTE [A gradient takes
@@ -428,11 +562,11 @@ class _DataParallelPolicy(LayoutPolicy):
         slice."""
         pls = list(a.placements)
         for i, p in enumerate(pls):
-            if slice_ and (i == self.dp or others) and isinstance(p, Replicate) \
+            if slice_ and (i in self.dps or others) and isinstance(p, Replicate) \
                     and not isinstance(target[i], Replicate):
                 pls[i] = target[i]
         a = ex.redistribute(a, pls)
-        pending = [i for i, p in enumerate(pls) if (i == self.dp or others) and _torch.is_partial(p)]
+        pending = [i for i, p in enumerate(pls) if (i in self.dps or others) and _torch.is_partial(p)]
         for i in pending:
             pls[i] = target[i]
         if len(pending) == len(pls) > 1 and all(
@@ -444,11 +578,24 @@ class _DataParallelPolicy(LayoutPolicy):
                 local = _torch.local_tensor(a).contiguous()
                 out = _F.wait_tensor.default(_F.all_reduce.default(local, "sum", group))
                 return ex.globals_of([out], [tuple(pls)], [a.shape])[0]
+        rep = self.dps[0] if len(self.dps) > 1 else None
+        if rep in pending and len(pending) > 1:
+            # NOTE [HSDP]: reduced (reduce-scattered) over the other axes first, then
+            # (the shard) over the replicate axis
+            first = list(pls)
+            first[rep] = a.placements[rep]
+            a = ex.redistribute(a, first)
         return ex.redistribute(a, pls)
 
     def _with_dp(self, ex, a, placement):
         pls = list(a.placements)
         pls[self.dp] = placement
+        return ex.redistribute(a, pls)
+
+    def _with_dps(self, ex, a, placement):
+        pls = list(a.placements)
+        for i in self.dps:
+            pls[i] = placement
         return ex.redistribute(a, pls)
 
     def _gather(self, ex, a):
@@ -466,14 +613,16 @@ class _DataParallelPolicy(LayoutPolicy):
         moves = _torch.planned_redistributions(target, args, kwargs)
         for local, src, dst in moves or ():
             a, value = batch_args.get(id(local), (None, None))
-            if a is not None and src[self.dp] != dst[self.dp]:
+            moved = [i for i in self.dps if src[i] != dst[i]]
+            if a is not None and moved:
+                i = moved[0]
                 where = f" ({_torch.source_line(node)})" if _torch.source_line(node) else ""
                 raise ValueError(
                     f"{self.mode!r} cannot keep the batch split over mesh axis "
-                    f"{self.mode.axis!r} at node {node.name!r} = {target}{where}: its input "
+                    f"{self.mesh.axis_names[i]!r} at node {node.name!r} = {target}{where}: its input "
                     f"{a.name!r} (shape {tuple(value.shape)}) is split over "
-                    f"{self.mode.axis!r} as {src[self.dp]}, and the op would need it as "
-                    f"{dst[self.dp]}, which gathers activations across the batch. Make the "
+                    f"{self.mesh.axis_names[i]!r} as {src[i]}, and the op would need it as "
+                    f"{dst[i]}, which gathers activations across the batch. Make the "
                     f"computation independent across examples (no sort, cumsum, indexing "
                     f"or statistics over the batch dim), or partition this program with "
                     f"DTensorExpandMode and explicit specs."
@@ -512,14 +661,21 @@ def _has_partial(x) -> bool:
     return any(_torch.is_partial(p) for p in x.placements)
 
 
-def _travels(target, args, dts, partial) -> bool:
+def _travels(target, args, kwargs, dts, partial, reduce_dtype=None) -> bool:
     """May the pending sums stay pending through this op (NOTE [Where a pending
     reduction may travel])?"""
     if is_masked(partial):
         return False
+    if len(partial) > 1 and target.overloadpacket is torch.ops.aten.mul \
+            and any(sum(map(_torch.is_partial, a.placements)) > 1 for a in partial):
+        # a product of two pending sums is no sum of products: both reduced first (by
+        # the policy: one all-reduce over every axis they are pending on, where DTensor
+        # reduces one axis after the other)
+        return False
     if target is _EMBEDDING_BACKWARD:
         return len(partial) == 1 and partial[0] is args[0] and _table_no_larger(args)
-    return linear_in_partial(target, len(partial), len(dts))
+    return linear_in_partial(target, len(partial), len(dts), src=partial[0],
+                             kwargs=kwargs, reduce_dtype=reduce_dtype)
 
 
 # NOTE [A pending sum through an embedding's backward]
@@ -540,10 +696,10 @@ def _table_no_larger(args) -> bool:
     return not by_freq and rows * grad.shape[-1] <= grad.numel()
 
 
-def _reduced_by_readers(node, value) -> bool:
+def _reduced_by_readers(node, value, reduce_dtype=None) -> bool:
     """Would every reader of ``node`` (a pending sum) reduce it (NOTE [Where a pending
     reduction may travel]), an embedding's backward only where the table is larger?"""
-    if not reduce_where_produced(node):
+    if not reduce_where_produced(node, reduce_dtype):
         return False
     return not all(u.target is _EMBEDDING_BACKWARD and u.args[0] is node and len(node.users) == 1
                    and _table_no_larger((value, *u.args[1:])) for u in node.users)

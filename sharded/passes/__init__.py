@@ -10,7 +10,8 @@ rewrites in sharded/rewrites/losses.py.
 
 from sharded.passes.analysis import CollectiveCall, collectives, cost, fingerprint, memory
 from sharded.passes.bucketing import (DEFAULT_BUCKET_BYTES, bucket_all_gathers, bucket_all_reduces,
-                                     bucket_reduce_scatters, bound_reduce_scatters, hoist_reductions,
+                                     bucket_reduce_scatters, bound_reduce_scatters, defer_chained_reductions,
+                                     hoist_chained_reductions, hoist_reductions,
                                      prefetch_all_gathers, regather_distant_uses, sink_waits,
                                      unit_of_path)
 from sharded.passes.inplace import reinplace_foreach
@@ -20,5 +21,6 @@ from sharded.passes.cleanup import (cse, dce, remove_identity_views, remove_triv
 __all__ = ["CollectiveCall", "collectives", "cost", "fingerprint", "memory", "cse", "dce", "remove_trivial_collectives", "remove_identity_views",
            "bucket_all_reduces", "bucket_reduce_scatters", "bucket_all_gathers",
            "prefetch_all_gathers", "sink_waits", "bound_reduce_scatters", "unit_of_path",
-           "regather_distant_uses", "hoist_reductions", "DEFAULT_BUCKET_BYTES", "reinplace_foreach",
+           "regather_distant_uses", "hoist_reductions", "defer_chained_reductions",
+           "hoist_chained_reductions", "DEFAULT_BUCKET_BYTES", "reinplace_foreach",
            "unalias_outputs", "untie_shape_reads"]

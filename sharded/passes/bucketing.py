@@ -348,7 +348,10 @@ def _merge(gm: fx.GraphModule, bucket: list[fx.Node]) -> None:
 def move_before(node, anchor: fx.Node, order: dict) -> bool:
     """Move ``node`` (and the pure ops it needs) up to just before ``anchor``, if it is
     not there already; False if something it needs cannot move (a collective, a wait,
-    a random or mutating op)."""
+    a random or mutating op, or ``anchor`` itself: two micro-batches' targets made from
+    one view, moved up to one anchor, ``sharded.optim.accumulate``)."""
+    if node is anchor:
+        return False
     if not isinstance(node, fx.Node) or order[node] < order[anchor] or node.op in ("placeholder", "get_attr"):
         return True
     if node.op != "call_function" or not _is_pure(node.target) or node.target in _torch.COLLECTIVE_OPS \
@@ -435,6 +438,122 @@ def regather_distant_uses(gm: fx.GraphModule) -> fx.GraphModule:
                 u.replace_input_with(wait, current)
             last = pos[u]
     return gm
+
+
+# NOTE [Chained reductions]
+# A pending sum over two data axes reduced to a layout split over one of them (HSDP's
+# gradient: Partial on (replicate, shard), its parameter Replicate, Shard) is
+# reduce-scattered over the shard axis and the shard then all-reduced over the
+# replicate axis (NOTE [HSDP] in data_parallel.py); a sum over two axes of a 3-D mesh
+# reduced to replicated (DDP over two axes beside "tp") is two all-reduces in
+# sequence. Either way the second reduction reads the first one's result at once,
+# which ended every bucket of the first kind after one member (a 2-layer GPT under
+# HSDP: 24 reduce-scatters a step). ``defer_chained_reductions`` moves each second
+# reduction (with the first one's wait and the views between them) down to where
+# the earliest of their results is read (the optimizer), so the first reductions
+# bucket in backward order and the second ones bucket together;
+# ``hoist_chained_reductions``, after the waits are placed, issues each second
+# bucket as soon as its input exists (right after the first bucket's wait), so it
+# overlaps the rest of the backward, in the order the ranks issued them.
+
+
+def _chain(r2: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``(w1, views)``: the wait of the reduction that ``r2`` (a reduction) reads
+    through ``views`` (pure one-input ops, each read only by the next), else None."""
+    views: list[fx.Node] = []
+    node = r2.args[0]
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target is not _WAIT:
+        if len(node.users) != 1 or len(node.all_input_nodes) != 1 or not _is_pure(node.target) \
+                or node.target in _torch.COLLECTIVE_OPS:
+            return None
+        views.append(node)
+        node = node.all_input_nodes[0]
+    if not (isinstance(node, fx.Node) and node.target is _WAIT and len(node.users) == 1):
+        return None
+    r1 = node.args[0]
+    if not (isinstance(r1, fx.Node) and r1.target in (_ALL_REDUCE, _REDUCE_SCATTER)):
+        return None
+    return node, views[::-1]
+
+
+def defer_chained_reductions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Move each reduction that reads another's result at once, with that wait and
+    the views between, to where the earliest of its and the later chains' results is
+    read (NOTE [Chained reductions]). Run before the bucketing passes."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    chains = []
+    for r2 in nodes:
+        if r2.op != "call_function" or r2.target not in (_ALL_REDUCE, _REDUCE_SCATTER):
+            continue
+        found = _chain(r2)
+        w2 = _wait_of(r2)
+        if found is None or w2 is None or len(r2.users) != 1 or not w2.users:
+            continue
+        chains.append((found[0], found[1], r2, w2))
+    # each to the earliest first reader of its own and every later chain's results
+    # (a chain in the forward, a loss's count, leaves the gradients' chains alone)
+    chains.sort(key=lambda c: pos[c[0]])
+    target = None
+    targets = []
+    for *_, w2 in reversed(chains):
+        first = min(w2.users, key=pos.__getitem__)
+        target = first if target is None or pos[first] < pos[target] else target
+        targets.append(target)
+    for (w1, views, r2, w2), first in zip(chains, reversed(targets)):
+        if pos[w1] < pos[first]:
+            for n in (w1, *views, r2, w2):
+                first.prepend(n)
+    return gm
+
+
+def hoist_chained_reductions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Issue each reduction whose input is computed from other reductions' results
+    alone, by pure ops, as soon as those results are waited for, those ops moved up with it,
+    keeping the order of the reductions over each group (NOTE [Chained
+    reductions]). Run after ``sink_waits`` and ``bound_reduce_scatters``."""
+    targets = (_ALL_REDUCE, _REDUCE_SCATTER)
+    for r2 in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]:
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        stops, pure = _impure_sources(r2.args[0])
+        # (only what is computed from reductions' results alone: a gradient, which
+        # the backward computes from the inputs too, stays where the passes put it)
+        if not stops or not all(s.target is _WAIT and isinstance(s.args[0], fx.Node)
+                                and s.args[0].target in targets for s in stops):
+            continue
+        limit = max(stops, key=order.__getitem__)
+        for n in gm.graph.nodes:          # the reduction before it over its group stays before it
+            if n is r2:
+                break
+            if n.op == "call_function" and n.target in _torch.COLLECTIVE_OPS and n.args[-1] == r2.args[-1] \
+                    and order[n] > order[limit]:
+                limit = n
+        anchor = limit.next
+        while anchor in pure:             # (already in place)
+            anchor = anchor.next
+        if order[anchor] >= order[r2] or not move_before(r2.args[0], anchor, order):
+            continue
+        anchor.prepend(r2)
+    return gm
+
+
+def _impure_sources(node) -> tuple[list[fx.Node], set[fx.Node]]:
+    """The nodes that ``node`` is computed from by pure ops (waits, placeholders,
+    impure ops: ``node`` itself if it is one), and those pure ops."""
+    out: list[fx.Node] = []
+    seen: set = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and _is_pure(n.target) and n.target not in _torch.COLLECTIVE_OPS \
+                and n.target is not _WAIT:
+            todo.extend(n.all_input_nodes)
+        else:
+            out.append(n)
+    return out, seen - set(out)
 
 
 def bound_reduce_scatters(gm: fx.GraphModule, inflight: int = 2) -> fx.GraphModule:
