@@ -5,7 +5,7 @@ code over its shards; both live here (``from sharded import pjit, shard_map``). 
 ``transforms`` package re-exports them under their original import path.
 """
 
-from sharded import launch, rules  # launch: the module, callable (NOTE in sharded/launch.py)
+from sharded import launch, precision, rules  # launch: the module, callable (NOTE in sharded/launch.py)
 from sharded._pjit import UNSPECIFIED, pjit
 from sharded._remat import checkpoint_name, remat, remat_policies
 from sharded._shard_map import shard_map
@@ -23,7 +23,7 @@ __all__ = [
     "pjit", "shard_map", "UNSPECIFIED", "Lowered",
     "Mesh", "P", "PartitionSpec", "shard", "gather", "spec_of", "from_local_data",
     "with_sharding_constraint", "visualize_sharding", "launch", "RankPool",
-    "register_dataclass", "register_pytree_node", "rules",
+    "register_dataclass", "register_pytree_node", "rules", "precision",
     "RankMismatchError", "RankFailedError", "TracingError", "CapturedStateError",
     "CheckpointError", "ShardingRuleError", "RankError",
     "remat", "checkpoint_name", "remat_policies",

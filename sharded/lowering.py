@@ -39,6 +39,7 @@ from sharded.modes import ParallelMode
 from sharded.modes.base import run_passes
 from sharded.passes import fingerprint, unalias_outputs
 from sharded.random.rewrite import rewrite_random_ops
+from sharded._remat import rematerialize_program
 from sharded.rewrites.losses import mean_losses_as_sums
 from sharded.spec import P, from_placements, to_placements
 
@@ -66,6 +67,8 @@ def lower_graph(gm: fx.GraphModule, mode: ParallelMode, mesh, in_placements: lis
     inside the program (NOTE [The agreement overlaps the program] in sharded/sync.py)."""
     # -- rewrites (pre-partition: they change the global program) ----------------
     n_draws = rewrite_random_ops(gm, name)
+    # after the random rewrite: a recomputed draw is the same draw (sharded/_remat.py)
+    rematerialize_program(gm)
     mean_losses_as_sums(gm)                 # NOTE [A mean over a split batch]
     rng = [to_placements(P(), mesh)] * 2 if n_draws else []     # seed, offset
     placeholders = gm.graph.find_nodes(op="placeholder")
@@ -127,7 +130,7 @@ def build_forward(arguments: Arguments, mode: ParallelMode, sig: Signature, args
     tensor_leaf = [isinstance(x, torch.Tensor) for x in sig.leaves]
 
     out_info: dict[str, Any] = {}
-    flat_fn = arguments.flat_fn(sig, out_info)
+    flat_fn = mode.traced_function(arguments.flat_fn(sig, out_info))   # (mixed precision)
     described = [f"{p}: {fmt_meta(m)}" for p, m in zip(inp.paths, inp.metas)]
     t0 = time.perf_counter()
     global_gm = trace_global(flat_fn, inp.metas, name, fn=arguments.fn, inputs=described,
@@ -145,6 +148,10 @@ def build_forward(arguments: Arguments, mode: ParallelMode, sig: Signature, args
     joint = global_gm.meta.get("joint")
     backward_gm = None
     if joint is not None:          # NOTE [pjit under autograd]
+        # remat regions first (their copies go to the backward program); random ops
+        # are saved: the two programs draw apart (NOTE [Remat regions in the traced
+        # program] in sharded/_remat.py)
+        rematerialize_program(global_gm, save_random=True)
         global_gm, backward_gm = _torch.partition_joint(global_gm, joint.n_out)
 
     out_leaves, out_treedef = out_info["leaves"], out_info["treedef"]

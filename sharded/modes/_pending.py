@@ -19,6 +19,20 @@ reduction sits in backward order, where the passes bucket it and the rest of the
 backward overlaps it, instead of queuing up before the optimizer (a fused optimizer
 kernel reads each gradient once). Ops the expander handles itself (layout
 constraints) are left to reduce it their way (a reduce-scatter to a split layout).
+
+# NOTE [A pending sum through a cast]
+A float-to-float cast (``aten._to_copy`` with only a dtype) is linear too, but not
+exactly: the sum of the casts is not the cast of the sum. Where the reduction goes
+decides the dtype it runs in, so the mode says it: a pending sum travels through a
+cast to the mode's ``reduce_dtype`` and is reduced after it, in that dtype, and is
+reduced before any other cast, in the dtype it has. Mixed precision's gradients are
+the case (sharded/precision.py): the backward of a parameter cast to bf16 produces
+its gradient as a bf16 pending sum, then casts it to the parameter's fp32. With
+``reduce_dtype=torch.float32`` the sum travels through that cast and is reduced (or
+reduce-scattered) in fp32, FSDP2's ``reduce_dtype``; with None (every mode's
+default) it is reduced in bf16 before the cast, FSDP2's default of reducing in
+``param_dtype``, half the bytes. DTensor's own rule for ``_to_copy`` keeps a sum
+pending through a float-to-float cast, so the expander only has to allow it.
 """
 
 from __future__ import annotations
@@ -47,21 +61,47 @@ def is_masked(partial) -> bool:
                if _torch.is_partial(p))
 
 
-def linear_in_partial(target, n_partial: int, n_dtensors: int) -> bool:
+_TO_COPY = aten._to_copy.default
+# keyword arguments of a cast that change nothing a sum depends on
+_CAST_KWARGS = frozenset({"dtype", "layout", "device", "memory_format", "non_blocking"})
+
+
+def casts_to(target, src, kwargs, reduce_dtype) -> bool:
+    """Is ``target`` (with ``kwargs``, on its input ``src``, a tensor) a float-to-float
+    cast to ``reduce_dtype`` on ``src``'s device, through which a pending sum travels
+    (NOTE [A pending sum through a cast])?"""
+    if reduce_dtype is None or target is not _TO_COPY or not isinstance(src, torch.Tensor):
+        return False
+    dst = kwargs.get("dtype")
+    return (dst == reduce_dtype and dst != src.dtype and src.dtype.is_floating_point
+            and set(kwargs) <= _CAST_KWARGS
+            and kwargs.get("layout", torch.strided) == torch.strided
+            and torch.device(kwargs.get("device") or src.device).type == src.device.type)
+
+
+def linear_in_partial(target, n_partial: int, n_dtensors: int, *, src=None,
+                      kwargs=None, reduce_dtype=None) -> bool:
     """Is ``target`` linear in its pending operands (``n_partial`` of its
-    ``n_dtensors`` DTensor operands): may their sums stay pending through it?"""
+    ``n_dtensors`` DTensor operands): may their sums stay pending through it? A cast
+    (``src``: its input, ``kwargs``: its keyword arguments) is, where it casts to
+    ``reduce_dtype`` (NOTE [A pending sum through a cast])."""
+    if casts_to(target, src, kwargs or {}, reduce_dtype):
+        return True
     packet = target.overloadpacket
     if packet not in LINEAR_IN_PARTIAL:
         return False
     return packet not in ADDITIVE or n_partial == n_dtensors
 
 
-def reduce_where_produced(node) -> bool:
+def reduce_where_produced(node, reduce_dtype=None) -> bool:
     """Should a pending sum made by ``node`` be reduced at once? Yes when several ops
-    read it, or when every reader is an op that would reduce it anyway."""
+    read it, or when every reader is an op that would reduce it anyway (a cast to
+    ``reduce_dtype`` would not: NOTE [A pending sum through a cast])."""
     if len(node.users) > 1:
         return True
+    src = node.meta.get("val")
     return bool(node.users) and all(
         u.op == "call_function" and isinstance(u.target, _torch.OpOverload)
         and u.target not in SPECIAL_OPS and u.target.overloadpacket not in LINEAR_IN_PARTIAL
+        and not casts_to(u.target, src, u.kwargs, reduce_dtype)
         for u in node.users)

@@ -22,10 +22,12 @@ import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Placement
 
 from sharded.errors import ShardingRuleError
+from sharded.precision import sink_casts_of_reductions
 from sharded.modes._runner import make_runner
 from sharded.passes import (bucket_all_reduces, cse, dce, hoist_reductions, reinplace_foreach,
                             remove_identity_views, remove_trivial_collectives, sink_waits,
@@ -82,6 +84,10 @@ CLEANUP = (
 EARLY_REDUCTIONS = (
     Pass("count_targets_early", lambda g, m: count_targets_early(g), after=("cse",)),
     Pass("hoist_reductions", lambda g, m: hoist_reductions(g), after=("count_targets_early",)),
+    # mixed precision: a reduced gradient's cast to its master's dtype moves down to
+    # its reader, so the reduction can join a bucket (sharded/precision.py)
+    Pass("sink_casts_of_reductions", lambda g, m: sink_casts_of_reductions(g),
+         after=("hoist_reductions",)),
 )
 # the optimizer's multi-tensor ops and all-reduces in place where nothing else reads
 # their inputs (after the buckets: a bucket's all-reduce runs in its own flat copy)
@@ -122,6 +128,10 @@ class ParallelMode(abc.ABC):
 
     name: str = "ParallelMode"
     compile: bool | str = "auto"      # NOTE [Runners]
+    # the dtype pending gradient sums are reduced in where a cast to it is on their
+    # way (NOTE [A pending sum through a cast] in _pending.py); None: the dtype
+    # the backward produces them in
+    reduce_dtype: torch.dtype | None = None
     # NOTE [Pass order]: cleanup, the loss's count and the reductions early, all-reduces
     # bucketed, waits sunk to the first use, then in place
     passes: tuple[Pass, ...] = (
@@ -152,6 +162,13 @@ class ParallelMode(abc.ABC):
     def transform_and_compile(self, graph: fx.GraphModule, mesh) -> fx.GraphModule:
         """The mode's pass list on its local graph (NOTE [Pass order])."""
         return run_passes(graph, self.passes, self)
+
+    def traced_function(self, fn: Callable) -> Callable:
+        """The function the lowering traces for ``fn`` (flat tensors in, flat tensors
+        out): ``fn`` itself, or ``fn`` under a policy that acts while it is traced
+        (DataParallelMode's ``param_dtype``: NOTE [Casts at use inside the
+        differentiated function] in sharded/precision.py)."""
+        return fn
 
     def runner(self, graph: fx.GraphModule, name: str | None = None, mesh=None, state=None):
         """What runs the local graph each call: the graph itself, or inductor's code

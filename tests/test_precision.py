@@ -1,0 +1,339 @@
+"""Mixed precision (sharded/precision.py, docs/precision.md): DataParallelMode's
+``param_dtype``/``reduce_dtype`` (FSDP2's MixedPrecisionPolicy) and the functional
+``Policy`` for any mode.
+
+- On real gloo ranks, bf16 training of the test GPT equals the same policy on one
+  device (the eager ``precision.in_grad`` step): losses within bf16 tolerance, the
+  fp32 master parameters' updates close; in both layouts, with either reduce dtype,
+  on a 2x2 ("dp", "tp") mesh with Megatron specs, and with ``Policy.wrap`` under
+  DTensorExpandMode.
+- The lowered programs move what the policy says: bf16 all-gathers of half the fp32
+  program's bytes, gradient reductions in ``reduce_dtype`` (fp32: the fp32 program's
+  bytes; None: bf16, half), as many collectives as the fp32 program (the buckets hold).
+- Bad dtypes are clear errors.
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+
+from examples import gpt
+from sharded import Mesh, P, gather, optim, precision, spec_of
+from sharded.modes import DataParallelMode, DTensorExpandMode
+from transforms import pjit
+
+BF16, F32 = torch.bfloat16, torch.float32
+CFG = gpt.GPTConfig(vocab=32, d_model=16, n_heads=2, n_layers=2, seq=8)
+LR = 0.5
+
+
+def sgd_step(params, ids, targets):
+    """A plain SGD step: the masters' update is ``LR`` times the gradient, so the
+    comparison of updates is a comparison of gradients."""
+    grads, loss = torch.func.grad_and_value(gpt.loss_fn)(params, ids, targets, CFG)
+    return optree.tree_map(lambda p, g: p - LR * g, params, grads), loss
+
+
+POLICY = precision.Policy(param_dtype=BF16)
+
+
+def policy_sgd_step(params, ids, targets):
+    """``sgd_step`` with the functional policy: the loss function wrapped."""
+    loss_fn = POLICY.wrap(lambda p, i, t: gpt.loss_fn(p, i, t, CFG))
+    grads, loss = torch.func.grad_and_value(loss_fn)(params, ids, targets)
+    return optree.tree_map(lambda p, g: p - LR * g, params, grads), loss
+
+
+def adamw_step(params, opt_state, ids, targets):
+    return gpt.train_step(params, opt_state, ids, targets, CFG, lr=1e-2)
+
+
+def _close_updates(got: dict, ref: dict, start: dict) -> float:
+    """Check that the fp32 masters ``got`` and ``ref`` moved alike from ``start``:
+    each element's update within 5% of the reference's, or within 2% of the step's
+    largest update (bf16 gradients summed in another order differ by a few bf16
+    ulps). Returns the largest difference relative to the largest update."""
+    leaves = list(zip(optree.tree_leaves(got), optree.tree_leaves(ref), optree.tree_leaves(start)))
+    scale = max(float((r - s).abs().max()) for _, r, s in leaves)
+    worst = 0.0
+    for g, r, s in leaves:
+        assert g.dtype == F32 and r.dtype == F32
+        torch.testing.assert_close(g - s, r - s, rtol=0.05, atol=0.02 * scale)
+        worst = max(worst, float(((g - s) - (r - s)).abs().max()) / scale)
+    return worst
+
+
+# -- on the ranks ---------------------------------------------------------------------------
+
+def _train(mesh_shape, names, mode, step_fn=sgd_step, tp=False, steps=3):
+    """``steps`` SGD steps under pjit against the eager single-device step with the
+    same policy (``precision.in_grad``, or the step's own ``Policy.wrap``)."""
+    mesh = Mesh(mesh_shape, names)
+    p0 = gpt.init_params(CFG, 0)
+    ps = gpt.tp_specs(p0) if tp else P()
+    step = pjit(step_fn, in_specs=(ps, P("dp"), P("dp")), mesh=mesh, mode=mode)
+    ref = step_fn if step_fn is policy_sgd_step else precision.in_grad(step_fn, BF16)
+    ids, targets = gpt.batch(CFG, 8, seed=1)
+    p, rp = p0, p0
+    losses = []
+    for _ in range(steps):
+        p, loss = step(p, ids, targets)
+        rp, ref_loss = ref(rp, ids, targets)
+        assert loss.dtype == BF16 and ref_loss.dtype == BF16
+        # one bf16 ulp at the loss's magnitude (the ranks sum their halves of the batch)
+        torch.testing.assert_close(gather(loss).float(), ref_loss.float(), rtol=1e-2, atol=1e-2)
+        losses.append(float(gather(loss)))
+    worst = _close_updates(gather(p), rp, p0)
+    assert losses[-1] < losses[0]
+    low = step.lower(p, ids, targets)
+    return {"worst": worst, "specs": {k: spec_of(v) for k, v in p.items() if k != "blocks"},
+            "collectives": sorted({(c.kind, str(c.dtype)) for c in low.collectives()})}
+
+
+def _adamw_sharded():
+    """AdamW under "shard" + bf16: the masters and the moments stay fp32 and sharded;
+    the losses equal the single-device step with the same policy."""
+    mesh = Mesh((2,), ("dp",))
+    mode = DataParallelMode("shard", param_dtype=BF16, reduce_dtype=F32)
+    step = pjit(adamw_step, in_specs=(P(), P(), P("dp"), P("dp")), mesh=mesh, mode=mode)
+    ref = precision.in_grad(adamw_step, BF16)
+    p = rp = gpt.init_params(CFG, 0)
+    o = ro = optim.adamw_init(p)
+    ids, targets = gpt.batch(CFG, 8, seed=1)
+    for _ in range(2):
+        p, o, loss = step(p, o, ids, targets)
+        rp, ro, ref_loss = ref(rp, ro, ids, targets)
+        torch.testing.assert_close(gather(loss).float(), ref_loss.float(), rtol=1e-2, atol=1e-2)
+    return {"param": (str(p["wte"].dtype), spec_of(p["wte"])),
+            "moments": (str(o["m"]["wte"].dtype), spec_of(o["m"]["wte"]),
+                        str(o["v"]["wte"].dtype), spec_of(o["v"]["wte"]))}
+
+
+def _loss(p, ids, targets):
+    return gpt.loss_fn(p, ids, targets, CFG)
+
+
+def _differentiated_call():
+    """A pjit call that autograd differentiates from outside (``loss.backward()``):
+    the whole function computes in bf16, and the parameters' gradients come back
+    fp32, reduced in fp32, equal to the same policy on one device."""
+    from sharded import shard
+
+    mesh = Mesh((2,), ("dp",))
+    f = pjit(_loss, in_specs=(P(), P("dp"), P("dp")), out_specs=P(), mesh=mesh,
+             mode=DataParallelMode("replicate", param_dtype=BF16, reduce_dtype=F32))
+    p0 = gpt.init_params(CFG, 0)
+    params = optree.tree_map(lambda t: t.requires_grad_(), shard(optree.tree_map(torch.clone, p0), P(), mesh))
+    ref = optree.tree_map(lambda t: t.clone().requires_grad_(), p0)
+    ids, targets = gpt.batch(CFG, 8, seed=1)
+    loss = f(params, ids, targets)
+    loss.backward()
+    ref_loss = POLICY.wrap(_loss)(ref, ids, targets)
+    ref_loss.backward()
+    torch.testing.assert_close(gather(loss).float(), ref_loss.detach().float(), rtol=1e-2, atol=1e-2)
+    for a, b in zip(optree.tree_leaves(params), optree.tree_leaves(ref)):
+        g = gather(a.grad)
+        assert g.dtype == F32
+        torch.testing.assert_close(g, b.grad, rtol=0.05, atol=0.02 * float(b.grad.abs().max()))
+    low = f.lower(params, ids, targets)
+    return {"loss": str(loss.dtype),
+            "backward": sorted({(c.kind, str(c.dtype)) for c in low.backward.collectives()})}
+
+
+def _all_ws2():
+    out = {}
+    for sharding, rd in (("replicate", F32), ("shard", F32), ("shard", None)):
+        out[(sharding, rd)] = _train((2,), ("dp",), DataParallelMode(sharding, param_dtype=BF16,
+                                                                      reduce_dtype=rd))
+    out["policy-expand"] = _train((2,), ("dp",), DTensorExpandMode(compile=False),
+                                  step_fn=policy_sgd_step)
+    out["adamw"] = _adamw_sharded()
+    out["differentiated"] = _differentiated_call()
+    return out
+
+
+_RESULTS: dict = {}
+
+
+@pytest.fixture
+def ws2(on_ranks):
+    if not _RESULTS:
+        _RESULTS.update(on_ranks(2, _all_ws2)[0])
+    return _RESULTS
+
+
+@pytest.mark.parametrize("sharding,rd", [("replicate", F32), ("shard", F32), ("shard", None)])
+def test_mode_policy_equals_one_device(ws2, sharding, rd):
+    r = ws2[(sharding, rd)]
+    assert r["worst"] < 0.05
+    want = P("dp") if sharding == "shard" else P()
+    assert r["specs"]["wte"] == want                    # fp32 masters, in the mode's layout
+    reduce = "all_reduce" if sharding == "replicate" else "reduce_scatter"
+    assert (reduce, str(rd or BF16)) in r["collectives"]
+    if sharding == "shard":
+        assert ("all_gather", "torch.bfloat16") in r["collectives"]
+        assert ("all_gather", "torch.float32") not in r["collectives"]
+
+
+def test_functional_policy_in_another_mode(ws2):
+    r = ws2["policy-expand"]
+    assert r["worst"] < 0.05
+    # DTensorExpandMode reduces in the dtype the backward produces: param_dtype
+    assert ("all_reduce", "torch.bfloat16") in r["collectives"]
+
+
+def test_adamw_on_fp32_sharded_masters(ws2):
+    r = ws2["adamw"]
+    assert r["param"] == ("torch.float32", P("dp"))
+    assert r["moments"] == ("torch.float32", P("dp"), "torch.float32", P("dp"))
+
+
+def test_a_differentiated_pjit_call_computes_in_bf16(ws2):
+    r = ws2["differentiated"]
+    assert r["loss"] == "torch.bfloat16"
+    assert ("all_reduce", "torch.float32") in r["backward"]
+    assert ("all_reduce", "torch.bfloat16") not in r["backward"]
+
+
+def _train_2x2():
+    return _train((2, 2), ("dp", "tp"), DataParallelMode("shard", param_dtype=BF16, reduce_dtype=F32),
+                  tp=True)
+
+
+def test_composes_with_megatron_on_2x2(on_ranks):
+    r = on_ranks(4, _train_2x2)[0]
+    assert r["worst"] < 0.05
+    assert ("all_gather", "torch.bfloat16") in r["collectives"]
+    assert ("reduce_scatter", "torch.float32") in r["collectives"]
+    assert ("all_gather", "torch.float32") not in r["collectives"]
+
+
+# -- the lowered programs (abstract meshes: no ranks) ---------------------------------------
+
+def _lower(mesh, mode, tp=False):
+    with torch.device("meta"):
+        params = gpt.init_params(CFG)
+        opt = optim.adamw_init(params)
+    ids = torch.empty(mesh.shape[0] * 2, CFG.seq, dtype=torch.long, device="meta")
+    ps = gpt.tp_specs(params) if tp else P()
+    step = pjit(adamw_step, in_specs=(ps, gpt.opt_specs(ps) if tp else P(), P("dp"), P("dp")),
+                mesh=mesh, mode=mode)
+    return step.lower(params, opt, ids, ids)
+
+
+def _by_kind_dtype(low, axis="dp") -> dict:
+    out: dict = {}
+    for c in low.collectives():
+        if c.axis == axis:
+            row = out.setdefault((c.kind, c.dtype), [0, 0])
+            row[0] += 1
+            row[1] += c.bytes
+    return out
+
+
+@pytest.mark.parametrize("shape,names,tp", [((4,), ("dp",), False), ((2, 2), ("dp", "tp"), True)])
+def test_gathers_in_bf16_reductions_in_reduce_dtype(shape, names, tp):
+    """"shard": each parameter shard is cast before its all-gather (bf16 on the wire,
+    half the fp32 program's bytes), and gradients are reduce-scattered after the
+    cast back (fp32, the fp32 program's bytes) with reduce_dtype=float32, before it
+    (bf16, half) with None; as many collectives as the fp32 program."""
+    mesh = Mesh.abstract(shape, names)
+    base = _by_kind_dtype(_lower(mesh, DataParallelMode("shard"), tp))
+    fp32 = _by_kind_dtype(_lower(mesh, DataParallelMode("shard", param_dtype=BF16, reduce_dtype=F32), tp))
+    half = _by_kind_dtype(_lower(mesh, DataParallelMode("shard", param_dtype=BF16), tp))
+    ag, rs = base[("all_gather", F32)], base[("reduce_scatter", F32)]
+    assert ("all_gather", F32) not in fp32 and ("all_gather", F32) not in half
+    assert fp32[("all_gather", BF16)] == [ag[0], ag[1] // 2]
+    assert fp32[("reduce_scatter", F32)] == rs
+    assert ("reduce_scatter", BF16) not in fp32
+    assert half[("all_gather", BF16)] == [ag[0], ag[1] // 2]
+    assert half[("reduce_scatter", BF16)] == [rs[0], rs[1] // 2]
+    assert ("reduce_scatter", F32) not in half
+
+
+def test_replicate_reduces_in_reduce_dtype():
+    """"replicate": the gradients' all-reduce is fp32 with reduce_dtype=float32 and
+    bf16 with None; no gather."""
+    mesh = Mesh.abstract((4,), ("dp",))
+    fp32 = _lower(mesh, DataParallelMode("replicate", param_dtype=BF16, reduce_dtype=F32))
+    half = _lower(mesh, DataParallelMode("replicate", param_dtype=BF16))
+    grads = sum(t.numel() for t in optree.tree_leaves(gpt.init_params(CFG)))
+    for low, dtype in ((fp32, F32), (half, BF16)):
+        reduced = sum(c.shape[0] if c.shape else 1 for c in low.collectives()
+                      if c.kind == "all_reduce" and c.dtype == dtype)
+        assert reduced >= grads, (dtype, reduced, grads)
+        assert not any(c.kind == "all_gather" for c in low.collectives())
+
+
+def test_optimizer_reads_fp32_and_forward_computes_bf16():
+    """In the global program, every matmul of the differentiated function is bf16
+    and the optimizer's fused kernel reads fp32 parameters and gradients."""
+    low = _lower(Mesh.abstract((2,), ("dp",)), DataParallelMode("shard", param_dtype=BF16,
+                                                                 reduce_dtype=F32))
+    nodes = list(low.global_graph.graph.nodes)
+    mms = [n for n in nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)]
+    assert mms and all(n.meta["val"].dtype == BF16 for n in mms)
+    adam = [n for n in nodes if n.target is torch.ops.aten._fused_adamw.default]
+    assert adam
+    for n in adam:
+        for lst in n.args[:2]:                      # params, grads
+            assert all(a.meta["val"].dtype == F32 for a in lst)
+
+
+# -- one device -----------------------------------------------------------------------------
+
+def test_in_grad_is_the_functional_policy():
+    """The mode's trace-time casts (precision.in_grad) and the explicit casts of
+    Policy.wrap give the same step on one device, bit for bit; the optimizer outside
+    the grad sees fp32."""
+    p = gpt.init_params(CFG, 0)
+    ids, targets = gpt.batch(CFG, 4, seed=1)
+    a, la = precision.in_grad(sgd_step, BF16)(p, ids, targets)
+    b, lb = policy_sgd_step(p, ids, targets)
+    assert la.dtype == BF16 and torch.equal(la, lb)
+    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
+        assert x.dtype == F32 and torch.equal(x, y)
+    seen = {}
+
+    def step(p, x):
+        def loss(p, x):
+            seen["inside"] = (p["w"].dtype, x.dtype)
+            return (x @ p["w"]).sum()
+        g = torch.func.grad(loss)(p, x)
+        seen["outside"] = (p["w"].dtype, g["w"].dtype)
+        return g
+
+    precision.in_grad(step, BF16)({"w": torch.randn(4, 3)}, torch.randn(2, 4))
+    assert seen == {"inside": (BF16, BF16), "outside": (F32, F32)}
+
+
+def test_policy_output_dtype_and_cast():
+    pol = precision.Policy(param_dtype=BF16, output_dtype=F32)
+    f = pol.wrap(lambda w, x, n: ((x @ w).sum() * n, x.dtype, n))
+    out, xdt, n = f(torch.randn(4, 3), torch.randn(2, 4), 3)
+    assert out.dtype == F32 and xdt == BF16 and n == 3
+    tree = precision.cast({"a": torch.ones(2), "i": torch.ones(2, dtype=torch.long), "s": 1.0}, BF16)
+    assert tree["a"].dtype == BF16 and tree["i"].dtype == torch.long and tree["s"] == 1.0
+
+
+def test_bad_dtypes_are_clear_errors():
+    with pytest.raises(ValueError, match=r"DataParallelMode: param_dtype must be a floating-point "
+                                         r"torch.dtype or None; got torch.int32"):
+        DataParallelMode("shard", param_dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"reduce_dtype must be .*got 'bf16' \(str\).*torch.bfloat16"):
+        DataParallelMode(reduce_dtype="bf16")
+    with pytest.raises(ValueError, match=r"sharded.precision.Policy: param_dtype .* torch.bool"):
+        precision.Policy(param_dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"sharded.precision.cast: dtype"):
+        precision.cast(torch.ones(2), torch.long)
+    with pytest.raises(ValueError, match=r"in_grad: param_dtype must be a floating-point torch.dtype; got None"):
+        precision.in_grad(sgd_step, None)
+
+
+def test_cache_key_and_repr_name_the_dtypes():
+    a, b = DataParallelMode("shard"), DataParallelMode("shard", param_dtype=BF16)
+    c = DataParallelMode("shard", param_dtype=BF16, reduce_dtype=F32)
+    assert len({a.cache_key(), b.cache_key(), c.cache_key()}) == 3
+    assert "param_dtype=torch.bfloat16" in repr(c) and "reduce_dtype=torch.float32" in repr(c)
