@@ -203,7 +203,9 @@ class DataParallelMode(ParallelMode):
                 if kind == "batch" and all(isinstance(p, Shard) for p in ps):
                     batch.add(n)
                 continue
-            if not any(_is_split(p) for p in ps):
+            # (one axis: a Shard, as before HSDP; two: any split, so that a strided
+            # one is an error below)
+            if not any(isinstance(p, Shard) if len(dps) == 1 else _is_split(p) for p in ps):
                 continue
             if len(dps) > 1 and not (all(isinstance(p, Shard) for p in ps)
                                      and len({p.dim for p in ps}) == 1):
