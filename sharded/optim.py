@@ -30,13 +30,14 @@ from sharded import _registry, _torch
 
 __all__ = [
     "sgd", "sgd_init", "adamw", "adamw_init",
-    "Schedule", "constant_schedule", "linear_schedule", "cosine_decay_schedule",
+    "constant_schedule", "linear_schedule", "cosine_decay_schedule",
     "warmup_cosine_decay_schedule", "join_schedules",
     "global_norm", "clip_by_global_norm", "accumulate",
 ]
 
 Scalar = Union[float, torch.Tensor]
 Schedule = Callable[[Union[int, torch.Tensor]], torch.Tensor]
+"""A schedule: the step count (an int or a 0-d tensor) to a 0-d float64 tensor."""
 
 
 def _leaves(tree, like=None):
