@@ -36,13 +36,27 @@ def train_step(params, opt_state, ids, targets, micro: int = 1, clip: bool = Tru
     return params, opt_state, loss, norm
 
 
-def torch_reference(params, ids, targets, steps, *, schedule=SCHED, peak=1e-2, clip=True):
+def traced_hyper_step(params, opt_state, ids, targets):
+    """Betas and weight decay computed in the step from the step count (tensors: the
+    foreach ops), the lr from SCHED (a tensor: the fused kernel's tensor-lr overload
+    where it is not forced off)."""
+    grads, loss = torch.func.grad_and_value(loss_fn)(params, ids, targets)
+    s = opt_state["step"]
+    params, opt_state = optim.adamw(params, grads, opt_state, lr=SCHED,
+                                    betas=(torch.full_like(s, 0.8), torch.full_like(s, 0.99)),
+                                    weight_decay=optim.constant_schedule(0.1)(s),
+                                    mask=no_decay_on_vectors)
+    return params, opt_state, loss, torch.zeros(())
+
+
+def torch_reference(params, ids, targets, steps, *, schedule=SCHED, peak=1e-2, clip=True,
+                    betas=(0.9, 0.999)):
     """torch.optim.AdamW with two param groups (decay / no decay), LambdaLR with the same
     schedule, clip_grad_norm_, the full batch: params and the norms before clipping."""
     ps = {k: v.clone().requires_grad_() for k, v in params.items()}
     groups = [{"params": [v for v in ps.values() if v.ndim >= 2], "weight_decay": 0.1},
               {"params": [v for v in ps.values() if v.ndim < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=peak)
+    opt = torch.optim.AdamW(groups, lr=peak, betas=betas)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: float(schedule(k)) / peak)
     norms = []
     for _ in range(steps):
@@ -243,6 +257,27 @@ def _on_ranks(mesh_shape, names, runs, steps=3):
         assert f.trace_count == 1
         out[(mode, micro, tp)] = [n.item() for n in norms]
     return out
+
+
+def _traced_hyper_on_ranks(steps=3):
+    """On every rank: traced betas and weight decay (the foreach ops) equal
+    torch.optim.AdamW with those values, in DTensorExpandMode and "shard"."""
+    mesh = Mesh((2,), ("dp",))
+    params = init()
+    ids, targets = batch()
+    ref, _ = torch_reference(params, ids, targets, steps, clip=False, betas=(0.8, 0.99))
+    for mode in ("expand", "shard"):
+        f = pjit(traced_hyper_step, in_specs=DP, mesh=mesh, mode=MODES[mode]())
+        p, o = params, optim.adamw_init(params)
+        for _ in range(steps):
+            p, o, _, _ = f(p, o, ids, targets)
+        assert f.trace_count == 1
+        torch.testing.assert_close(gather(p), ref, rtol=1e-4, atol=1e-5)
+    return True
+
+
+def test_traced_betas_and_weight_decay_equal_torch(on_ranks):
+    assert all(on_ranks(2, _traced_hyper_on_ranks))
 
 
 def test_train_step_equals_torch_on_two_ranks(on_ranks):
