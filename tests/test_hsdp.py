@@ -207,14 +207,19 @@ def test_hsdp_plans_on_abstract_meshes(shape):
     assert cost["dp_replicate"]["wire_bytes"] == sum(c[5] for c in calls if c[1] == "dp_replicate")
 
 
-def test_buckets_and_overlap_over_two_axes():
+@pytest.mark.parametrize("precision,bucket_bytes", [({}, 4096), ({"param_dtype": torch.bfloat16}, 2048)],
+                         ids=["fp32", "bf16-reductions"])
+def test_buckets_and_overlap_over_two_axes(precision, bucket_bytes):
     """NOTE [Chained reductions]: with buckets smaller than a block, several
     reduce-scatter buckets over dp_shard, each followed by its all-reduce over
     dp_replicate as soon as it is waited for (while the backward goes on): the
     replicate-axis reductions are no more than the shard-axis ones, not one per
-    parameter, and at most one reduce-scatter is in flight."""
+    parameter, and at most one reduce-scatter is in flight. With gradients reduced in
+    bf16 (mixed precision, reduce_dtype None) each reduced shard is cast back to fp32
+    by its own reader: the replicate-axis reductions still share buckets."""
     _, n_params = _numel()
-    low, _, _ = _lower((2, 2), AXES, DataParallelMode("shard", axis=AXES, bucket_bytes=4096))
+    low, _, _ = _lower((2, 2), AXES, DataParallelMode("shard", axis=AXES, bucket_bytes=bucket_bytes,
+                                                       **precision))
     nodes = list(low.local_graph.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     calls = {c.node: c for c in low.collectives()}

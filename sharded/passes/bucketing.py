@@ -450,8 +450,11 @@ def regather_distant_uses(gm: fx.GraphModule) -> fx.GraphModule:
 # which ended every bucket of the first kind after one member (a 2-layer GPT under
 # HSDP: 24 reduce-scatters a step). ``defer_chained_reductions`` moves each second
 # reduction (with the first one's wait and the views between them) down to where
-# the earliest of their results is read (the optimizer), so the first reductions
-# bucket in backward order and the second ones bucket together;
+# the first result of its cluster is read (the optimizer; a cluster is a run of
+# chains whose first reductions are all waited for before any of their results is
+# read, so gradients whose results are each read by a cast of their own, bf16
+# reductions cast back to fp32 masters, still move together), so the first
+# reductions bucket in backward order and the second ones bucket together;
 # ``hoist_chained_reductions``, after the waits are placed, issues each second
 # bucket as soon as its input exists (right after the first bucket's wait), so it
 # overlaps the rest of the backward, in the order the ranks issued them.
@@ -478,8 +481,8 @@ def _chain(r2: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
 
 def defer_chained_reductions(gm: fx.GraphModule) -> fx.GraphModule:
     """Move each reduction that reads another's result at once, with that wait and
-    the views between, to where the earliest of its and the later chains' results is
-    read (NOTE [Chained reductions]). Run before the bucketing passes."""
+    the views between, down to where the first result of its cluster is read (NOTE
+    [Chained reductions]). Run before the bucketing passes."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     chains = []
@@ -491,19 +494,24 @@ def defer_chained_reductions(gm: fx.GraphModule) -> fx.GraphModule:
         if found is None or w2 is None or len(r2.users) != 1 or not w2.users:
             continue
         chains.append((found[0], found[1], r2, w2))
-    # each to the earliest first reader of its own and every later chain's results
-    # (a chain in the forward, a loss's count, leaves the gradients' chains alone)
+    # in clusters: consecutive chains whose first reductions are waited for before
+    # any of their results is read all move to where the first of them is read (a
+    # chain in the forward, a loss's count, is a cluster of its own; gradients'
+    # chains read one by one, each by a cast to its master's dtype, are one cluster)
     chains.sort(key=lambda c: pos[c[0]])
-    target = None
-    targets = []
-    for *_, w2 in reversed(chains):
-        first = min(w2.users, key=pos.__getitem__)
-        target = first if target is None or pos[first] < pos[target] else target
-        targets.append(target)
-    for (w1, views, r2, w2), first in zip(chains, reversed(targets)):
-        if pos[w1] < pos[first]:
+    clusters: list[list] = []          # [target, members]
+    for c in chains:
+        first = min(c[3].users, key=pos.__getitem__)
+        if clusters and pos[c[0]] < pos[clusters[-1][0]]:
+            clusters[-1][1].append(c)
+            if pos[first] < pos[clusters[-1][0]]:
+                clusters[-1][0] = first
+        else:
+            clusters.append([first, [c]])
+    for target, members in clusters:
+        for w1, views, r2, w2 in members:
             for n in (w1, *views, r2, w2):
-                first.prepend(n)
+                target.prepend(n)
     return gm
 
 
