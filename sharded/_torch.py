@@ -746,9 +746,12 @@ def abstract_device_mesh(shape, axis_names, rank: int, device_type: str):
     dm = DeviceMesh(device_type, grid, mesh_dim_names=tuple(axis_names), _init_backend=False,
                     _rank=rank)
     coord = [int(c) for c in (grid == rank).nonzero()[0]]
+    # the names hold the whole mesh (shape and every axis name): two abstract meshes of
+    # one shape that share an axis name, or any two of one shape ("all"), would collide
+    dm._sharded_group_prefix = (f"sharded_abstract_{'x'.join(map(str, shape))}_"
+                                f"{'.'.join(axis_names)}")
     dm._dim_group_names = [
-        _fake_group(dm, f"sharded_abstract_{'x'.join(map(str, shape))}_{axis}_r{rank}",
-                    coord[d], shape[d])
+        _fake_group(dm, f"{dm._sharded_group_prefix}_{axis}_r{rank}", coord[d], shape[d])
         for d, axis in enumerate(axis_names)]
     dm._thread_id = next(_ABSTRACT_IDS)
     dm._hash = None
@@ -774,8 +777,8 @@ def mesh_group(device_mesh) -> str | None:
         return None
     name = getattr(device_mesh, "_sharded_mesh_group", None)
     if name is None:
-        shape, rank = abstract
-        name = _fake_group(device_mesh, f"sharded_abstract_{'x'.join(map(str, shape))}_all_r{rank}",
+        rank = abstract[1]
+        name = _fake_group(device_mesh, f"{device_mesh._sharded_group_prefix}_all_r{rank}",
                            rank, device_mesh.size())
         device_mesh._sharded_mesh_group = name
     return name

@@ -99,3 +99,20 @@ def test_nothing_runs_on_an_abstract_mesh():
     with pytest.raises(ValueError, match=r"rank must be an int in range\(4\)"):
         Mesh.abstract((4,), ("dp",), rank=4)
     assert Mesh.abstract((4,), ("dp",), rank=1) is mesh
+
+
+def test_abstract_meshes_of_one_shape_that_share_an_axis_name():
+    """Each abstract mesh's fake process groups are named after the whole mesh: two of
+    one shape that share an axis name ("dp" as dim 0 of one and dim 1 of the other)
+    both lower (their "dp" groups, and their groups over every axis, once collided:
+    "A process group is already registered under the name ...")."""
+    def loss(x):
+        return (x * 2).sum()
+
+    counts = []
+    for names in (("dp", "tp"), ("pp", "dp")):
+        mesh = Mesh.abstract((2, 2), names)
+        lowered = pjit(loss, in_specs=(P(("dp",) if names[0] == "dp" else "dp"),),
+                       mesh=mesh, mode=DataParallelMode()).lower(torch.ones(8, 4, device="meta"))
+        counts.append([(c.kind, c.axis, c.group_size) for c in lowered.collectives()])
+    assert counts == [[("all_reduce", "dp", 2)]] * 2
