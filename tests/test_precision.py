@@ -142,6 +142,41 @@ def _differentiated_call():
             "backward": sorted({(c.kind, str(c.dtype)) for c in low.backward.collectives()})}
 
 
+def _tanh_loss(w, x):
+    return torch.tanh(x @ w).sum()
+
+
+def _shard_map_policy():
+    """Policy.wrap inside a shard_map body that pjit differentiates: the body's
+    matmuls run in bf16 on this rank's block of the batch, the gradient of the fp32
+    weight comes back fp32, equal to the policy on one device."""
+    from sharded import shard_map
+    from sharded.collectives import psum
+
+    mesh = Mesh((2,), ("dp",))
+
+    def loss(w, x):
+        body = shard_map(lambda w, x: psum(POLICY.wrap(_tanh_loss)(w, x), "dp"), mesh=mesh,
+                         in_specs=(P(), P("dp")), out_specs=P())
+        return body(w, x)
+
+    def step(w, x):
+        g, value = torch.func.grad_and_value(loss)(w, x)
+        return g, value
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(8, 4, generator=g), torch.randn(6, 8, generator=g)
+    f = pjit(step, in_specs=(P(), P("dp")), mesh=mesh, mode=DTensorExpandMode(compile=False))
+    grad, value = f(w, x)
+    ref_grad, ref_value = torch.func.grad_and_value(POLICY.wrap(_tanh_loss))(w, x)
+    assert grad.dtype == F32 and value.dtype == BF16
+    torch.testing.assert_close(gather(value).float(), ref_value.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(gather(grad), ref_grad, rtol=2e-2, atol=2e-2 * float(ref_grad.abs().max()))
+    low = f.lower(w, x)
+    return sorted({str(n.meta["val"].dtype) for n in low.local_graph.graph.nodes
+                   if n.target is torch.ops.aten.mm.default})
+
+
 def _all_ws2():
     out = {}
     for sharding, rd in (("replicate", F32), ("shard", F32), ("shard", None)):
@@ -151,6 +186,7 @@ def _all_ws2():
                                   step_fn=policy_sgd_step)
     out["adamw"] = _adamw_sharded()
     out["differentiated"] = _differentiated_call()
+    out["shard_map"] = _shard_map_policy()
     return out
 
 
@@ -195,6 +231,10 @@ def test_a_differentiated_pjit_call_computes_in_bf16(ws2):
     assert r["loss"] == "torch.bfloat16"
     assert ("all_reduce", "torch.float32") in r["backward"]
     assert ("all_reduce", "torch.bfloat16") not in r["backward"]
+
+
+def test_functional_policy_in_a_shard_map_body(ws2):
+    assert ws2["shard_map"] == ["torch.bfloat16"]        # every matmul of the body
 
 
 def _train_2x2():
