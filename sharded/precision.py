@@ -64,10 +64,10 @@ class Policy:
       casts every floating-point tensor in the wrapped function's arguments to it:
       parameters and floating inputs alike (FSDP2's ``param_dtype`` with
       ``cast_forward_inputs=True``; jmp's ``compute_dtype``). None: no cast.
-    - ``output_dtype``: the dtype of the wrapped function's floating outputs (the
-      loss): ``torch.float32`` returns a bf16 loss as fp32, so a ``grad`` of it seeds
-      the backward in fp32 before the cast's backward narrows it (FSDP2's
-      ``output_dtype``; jmp's ``output_dtype``). None: as computed.
+    - ``output_dtype``: the dtype of the wrapped function's floating outputs:
+      wrapping a model's forward with ``torch.float32`` gives fp32 logits, so the
+      loss computed from them is fp32 (FSDP2's ``output_dtype``; jmp's
+      ``output_dtype``). None: as computed.
 
     Masters are whatever the caller holds (fp32 parameters and optimizer state): the
     gradient of each cast parameter comes back through the cast's backward in the
@@ -76,8 +76,10 @@ class Policy:
 
     ::
 
-        policy = Policy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+        policy = Policy(param_dtype=torch.bfloat16)
         grads, loss = torch.func.grad_and_value(policy.wrap(loss_fn))(params, x, y)
+        # or the forward in bf16, its outputs (and so the loss) in fp32:
+        forward = Policy(torch.bfloat16, output_dtype=torch.float32).wrap(forward)
     """
 
     def __init__(self, param_dtype: torch.dtype | None = None, output_dtype: torch.dtype | None = None):
