@@ -108,6 +108,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        # Activation checkpointing: None, or a wrapper applied to each block's call,
+        # e.g. sharded.remat or functools.partial(sharded.remat, policy=...)
+        self.remat = None
         for name, p in self.named_parameters():
             if p.ndim == 2:
                 std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "fc2.weight")) else 0.02
@@ -117,7 +120,7 @@ class GPT(nn.Module):
         pos = torch.arange(ids.shape[1], device=ids.device)
         x = self.drop(self.wte(ids) + self.wpe(pos))
         for blk in self.blocks:
-            x = blk(x)
+            x = (self.remat(blk) if self.remat is not None else blk)(x)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -187,16 +190,19 @@ def sp_plan(builders: bool = False) -> dict:
 PLANS = {"megatron": megatron_plan, "sp": sp_plan}
 
 
-def make_train_step(model: nn.Module, update=None):
+def make_train_step(model: nn.Module, update=None, policy=None):
     """A pure train step over the module's parameters: forward and backward through
     ``torch.func.functional_call``, then ``update(params, grads, opt_state)``
-    (default: ``sharded.optim.adamw`` with lr 1e-3)."""
+    (default: ``sharded.optim.adamw`` with lr 1e-3). ``policy``: a
+    ``sharded.precision.Policy`` the differentiated forward runs under."""
     update = update or functools.partial(optim.adamw, lr=1e-3)
 
     def train_step(params, opt_state, ids, targets):
         def loss_of(p):
             return torch.func.functional_call(model, p, (ids, targets))
 
+        if policy is not None:
+            loss_of = policy.wrap(loss_of)
         grads, loss = torch.func.grad_and_value(loss_of)(params)
         params, opt_state = update(params, grads, opt_state)
         return params, opt_state, loss

@@ -4,6 +4,7 @@
     python examples/gpt_train.py                            # 4 local ranks, mesh ("dp"=2, "tp"=2)
     python examples/gpt_train.py --resume --dp 4 --tp 1     # continue on a 1-D mesh of 4
     torchrun --nproc-per-node 4 examples/gpt_train.py       # the same under torchrun
+    python examples/gpt_train.py --bf16 --remat block --schedule cosine --warmup 20 --clip 1.0
 
 The model is the plain ``nn.Module`` GPT of ``examples/gpt_module.py`` with dropout on.
 Its tensor-parallel plan (torchtitan's sequence-parallel Llama plan by default, or
@@ -11,6 +12,13 @@ Megatron) lays the parameters out over mesh axis "tp"; ``DataParallelMode("shard
 over "dp" splits the batch and shards parameters, gradients and AdamW moments again
 over "dp" (FSDP x TP). The whole step, forward, backward with dropout, and AdamW, is
 one pjit program per rank.
+
+The large-run essentials are flags: ``--bf16`` computes in bf16 with fp32 master
+weights and fp32 gradient reductions (``DataParallelMode(param_dtype=, reduce_dtype=)``,
+docs/precision.md), ``--remat block`` recomputes each block's activations in the
+backward (``sharded.remat``, docs/remat.md), ``--schedule cosine --warmup N`` makes the
+learning rate a traced function of the step (no retrace as it changes) and ``--clip``
+clips the global gradient norm with one scalar all-reduce per step (docs/optim.md).
 
 Every ``--ckpt-every`` steps the parameters, the optimizer state, the step and the
 random-number state go to ``<run-dir>/checkpoint`` (``sharded.checkpoint``: each rank
@@ -45,7 +53,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples import gpt_module as gm  # noqa: E402
-from sharded import Mesh, P, checkpoint, from_local_data, gather, optim  # noqa: E402
+import sharded  # noqa: E402
+from sharded import Mesh, P, checkpoint, from_local_data, gather, optim, precision  # noqa: E402
 from sharded import random as srandom  # noqa: E402
 from sharded.modes import DataParallelMode  # noqa: E402
 from sharded.plans import parallelize  # noqa: E402
@@ -60,6 +69,11 @@ class TrainConfig:
         vocab=64, d_model=64, n_heads=4, n_layers=2, seq=32, dropout=0.1))
     batch_size: int = 16
     lr: float = 3e-3
+    schedule: str = "constant"   # "cosine": linear warmup, then cosine decay to lr / 10
+    warmup: int = 0              # warmup steps of the cosine schedule
+    decay_steps: int = 200       # where the cosine schedule reaches lr / 10
+    clip: float = 0.0            # max global gradient norm (0: no clipping)
+    bf16: bool = False           # compute in bf16, fp32 masters, fp32 gradient reductions
     seed: int = 0
     branching: int = 4       # next-token choices per token in the synthetic language
 
@@ -159,7 +173,7 @@ class Trainer:
     """
 
     def __init__(self, mesh: Mesh, tc: TrainConfig, *, plan: str = "sp",
-                 dp_sharding: str = "shard"):
+                 dp_sharding: str = "shard", remat: str = "none"):
         self.mesh, self.tc = mesh, tc
         self.chain = markov_chain(tc)
         model = gm.GPT(tc.model, seed=tc.seed)
@@ -170,14 +184,20 @@ class Trainer:
             specs = {k: P() for k in params}
         opt_specs = {"step": P(), "m": specs, "v": specs}
         has_dp = "dp" in mesh.axis_names
-        mode = DataParallelMode(dp_sharding) if has_dp else None
+        # bf16 (docs/precision.md): on the mode as FSDP2's MixedPrecisionPolicy where the
+        # mesh has "dp"; in the function (the same casts) where it has only "tp"
+        mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if tc.bf16 else {}
+        mode = DataParallelMode(dp_sharding, **mp) if has_dp else None
+        policy = precision.Policy(param_dtype=torch.bfloat16) if tc.bf16 and not has_dp else None
         data = P("dp") if has_dp else P()
         # Without the data-parallel mode, out_specs keep the layout; with it, the mode
         # gives the state its layout over "dp" (out_specs would override that).
         out = {} if has_dp else {"out_specs": (specs, opt_specs, P())}
         init_out = {} if has_dp else {"out_specs": (specs, opt_specs)}
         self._init = pjit(_init_state, in_specs=(specs,), mesh=mesh, mode=mode, **init_out)
-        train_step = gm.make_train_step(model, functools.partial(optim.adamw, lr=tc.lr))
+        if remat != "none":    # docs/remat.md: each block's activations recomputed in the backward
+            model.remat = functools.partial(sharded.remat, policy=_REMAT[remat])
+        train_step = gm.make_train_step(model, functools.partial(_update, tc), policy=policy)
         self._step = pjit(train_step, in_specs=(specs, opt_specs, data, data), mesh=mesh,
                           mode=mode, **out)
         self.params, self.opt = self._init(params)
@@ -219,6 +239,22 @@ def _init_state(params):
     return params, optim.adamw_init(params)
 
 
+_REMAT = {"block": sharded.remat_policies.nothing_saveable,
+          "dots": sharded.remat_policies.dots_saveable}
+
+
+def _update(tc: TrainConfig, params, grads, opt_state):
+    """Clip (one scalar all-reduce per step: docs/optim.md), then AdamW at the
+    schedule's lr for this step, a traced value (no retrace as it changes)."""
+    if tc.clip > 0:
+        grads, _ = optim.clip_by_global_norm(grads, tc.clip)
+    lr = tc.lr
+    if tc.schedule == "cosine":
+        lr = optim.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup, tc.decay_steps,
+                                                end_value=tc.lr / 10)
+    return optim.adamw(params, grads, opt_state, lr=lr)
+
+
 # -- the run ---------------------------------------------------------------------------
 
 def train(args, tc: TrainConfig) -> tuple[int, list]:
@@ -227,7 +263,7 @@ def train(args, tc: TrainConfig) -> tuple[int, list]:
     mesh = make_mesh(args.dp, args.tp)
     rank0 = mesh.rank == 0
     t0 = time.perf_counter()
-    trainer = Trainer(mesh, tc, plan=args.plan, dp_sharding=args.dp_sharding)
+    trainer = Trainer(mesh, tc, plan=args.plan, dp_sharding=args.dp_sharding, remat=args.remat)
     ckpt = os.path.join(args.run_dir, "checkpoint")
     if args.resume:
         if not checkpoint.exists(ckpt):
@@ -241,6 +277,11 @@ def train(args, tc: TrainConfig) -> tuple[int, list]:
             how.append(f"{args.plan} plan over 'tp'")
         if "dp" in mesh.axis_names and mesh.size("dp") > 1:
             how.append(f"DataParallelMode({args.dp_sharding!r}) over 'dp'")
+        how += ["bf16"] * tc.bf16 + [f"remat {args.remat}"] * (args.remat != "none")
+        if tc.schedule == "cosine":
+            how.append(f"warmup {tc.warmup} + cosine")
+        if tc.clip > 0:
+            how.append(f"clip {tc.clip:g}")
         print(f"mesh {mesh_text} ({', '.join(how) or 'one process'}): {what}", flush=True)
     start = trainer.step
     bar = _progress(rank0, trainer.step, args.steps)
@@ -389,7 +430,16 @@ def parse_args(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue from <run-dir>/checkpoint")
     ap.add_argument("--no-reference", action="store_true", help="skip the single-device run")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=3e-3, help="the (peak) learning rate")
+    ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                    help="cosine: linear warmup over --warmup steps, then cosine decay to lr/10 at --decay-steps")
+    ap.add_argument("--warmup", type=int, default=0)
+    ap.add_argument("--decay-steps", type=int, default=200)
+    ap.add_argument("--clip", type=float, default=0.0, help="clip gradients to this global norm (0: off)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="compute in bf16 with fp32 master weights and fp32 gradient reductions")
+    ap.add_argument("--remat", choices=("none", "block", "dots"), default="none",
+                    help="recompute each block's activations in the backward (dots: keep matmul outputs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--d-model", type=int, default=64)
@@ -401,7 +451,8 @@ def parse_args(argv=None):
     tc = TrainConfig(
         model=gm.Config(vocab=args.vocab, d_model=args.d_model, n_heads=args.heads,
                         n_layers=args.layers, seq=args.seq, dropout=args.dropout),
-        batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+        batch_size=args.batch_size, lr=args.lr, schedule=args.schedule, warmup=args.warmup,
+        decay_steps=args.decay_steps, clip=args.clip, bf16=args.bf16, seed=args.seed)
     return args, tc
 
 

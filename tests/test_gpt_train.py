@@ -43,3 +43,22 @@ def test_gpt_train_resumes_on_another_mesh_under_torchrun(tmp_path):
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert sorted(os.listdir(run_dir)) == ["checkpoint", "loss.png", "metrics.csv", "reference.json"]
+
+
+def test_gpt_train_with_the_large_run_flags(tmp_path):
+    """bf16 with fp32 masters, block remat, warmup + cosine and clipping, from flags, on
+    the default 2x2 mesh: the loss follows one device's run of the same configuration
+    to bf16 precision (an ulp of a loss near 3.4 is 2**-6)."""
+    run_dir = str(tmp_path / "run")
+    script = os.path.join(ROOT, "examples", "gpt_train.py")
+    res = _run([sys.executable, script, "--steps", "4", "--bf16", "--remat", "block",
+                "--schedule", "cosine", "--warmup", "2", "--decay-steps", "4", "--clip", "0.5"],
+               run_dir)
+    assert ("DataParallelMode('shard') over 'dp', bf16, remat block, warmup 2 + cosine, "
+            "clip 0.5): started") in res.stdout, res.stdout
+    diff = float(res.stdout.split("loss difference over 4 steps: ")[1].split()[0])
+    assert diff <= 2 ** -5, res.stdout
+    with open(os.path.join(run_dir, "metrics.csv")) as f:
+        losses = [float(r["loss"]) for r in csv.DictReader(f)]
+    # computed in bf16: each loss in [2, 4) is a multiple of bf16's ulp there
+    assert len(losses) == 4 and all(2 <= x < 4 and (x * 64).is_integer() for x in losses), losses
