@@ -23,15 +23,28 @@ the region's inputs, outputs and saved values, and those readers read the copies
 The originals then have only forward readers, and the generated code frees them
 there. The markers and ``checkpoint_name`` nodes are removed (identities).
 
+# NOTE [Parameters are read again]
+The region's parameters (the program inputs it reads) are read by its recomputation
+and by its backward (from the recomputation to the last reader of a recomputed value)
+through ``sharded::remat_barrier`` too, as new values. Where the mode shards them
+(DataParallelMode "shard"), the backward then gathers them again, as FSDP2 does for a
+checkpointed block, instead of keeping the forward's gathered copies alive until the
+backward; replicated, the barrier is a copy of the block's parameters, made when its
+backward starts and freed when it ends. The optimizer, after every backward, reads the
+parameters themselves (a donated parameter's storage stays the one it updates).
+
 # NOTE [Recomputed values stay recomputed]
 A copy of a node is the same op on the same inputs, which CSE (the mode's passes,
-AOTAutograd's and inductor's) would merge back into the original, and inductor may
-schedule a node as early as its inputs allow. So each copy that reads no other copy
-reads one of its inputs (the smallest) through ``sharded::remat_barrier(x, after)``:
-a copy of ``x`` that also takes ``after``, the value computed just before the
-recomputation starts. No copy is then the same op on the same inputs as its
-original, and none can run before the backward reaches it. The barrier copies a
-small tensor (a norm's weight, the random seed) once per region.
+inductor's) would merge back into the original. So each copy that reads no other copy
+reads one of its inputs (the smallest) through ``sharded::remat_barrier(x)``, an
+opaque copy of ``x``: no copy is then the same op on the same inputs as its original.
+The barrier copies a small tensor (a norm's weight, the random seed) once per region.
+It takes no other input: a value of the backward as a second input would pin it after
+that value for inductor's scheduler too, but it would make a parameter's copy read the
+batch, which DataParallelMode's batch analysis then takes for a batch value. The graph
+runner runs the nodes in program order; inductor's scheduler has no reason to move the
+recomputation earlier (that would raise its peak), and the benchmark measures the
+compiled program's peak as well.
 """
 
 from __future__ import annotations
@@ -142,7 +155,7 @@ def _name(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 @torch.library.custom_op("sharded::remat_barrier", mutates_args=())
-def _barrier(x: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
+def _barrier(x: torch.Tensor) -> torch.Tensor:
     return x.clone()
 
 
@@ -195,10 +208,10 @@ for _m in MARKERS:
 
 def _expand_barrier(ex, node, args, kwargs):
     """The barrier in a rank's program: on this rank's block, laid out as its input."""
-    x, after = args
+    x, = args
     if not isinstance(x, DTensor):
-        return BARRIER_OP(x, after.to_local() if isinstance(after, DTensor) else after)
-    local = BARRIER_OP(x.to_local(), after.to_local() if isinstance(after, DTensor) else after)
+        return BARRIER_OP(x)
+    local = BARRIER_OP(x.to_local())
     return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False,
                               shape=x.shape, stride=x.stride())
 
@@ -434,10 +447,39 @@ def _recompute(g: fx.Graph, r: _Region, policy: Policy, order: dict, save_random
         return 0
     readers = {u for us in later.values() for u in us}
     at = min(readers, key=lambda u: order[u] if u in order else _position(g, u))
-    after = _after_value(at, r.end, order)
     copies: dict[fx.Node, fx.Node] = {}
     barriers: dict[fx.Node, fx.Node] = {}
     phase = at.meta.get(META_PHASE)
+    # the program inputs the region reads (its parameters) and the region's views of
+    # them: read again, through a barrier, by the recomputation and by the region's
+    # backward (NOTE [Parameters are read again])
+    inputs = {a for n in inside for a in n.all_input_nodes
+              if a.op == "placeholder" and isinstance(a.meta.get("val"), torch.Tensor)}
+    rereads: dict[fx.Node, fx.Node] = {}
+
+    def of_input(n: fx.Node) -> bool:
+        if n in inputs:
+            return True
+        return (n in members and n not in saved and n.target in _VIEW_OPS
+                and all(of_input(a) for a in n.all_input_nodes))
+
+    def reread(n: fx.Node) -> fx.Node:
+        if n in rereads:
+            return rereads[n]
+        if n in inputs:
+            with g.inserting_before(at):
+                b = g.call_function(BARRIER_OP, (n,))
+            b.meta["val"] = n.meta["val"]
+        else:
+            for a in n.all_input_nodes:
+                reread(a)
+            with g.inserting_before(at):
+                b = g.node_copy(n, lambda a: rereads.get(a, a))
+            b.meta = dict(n.meta)
+        if phase is not None:
+            b.meta[META_PHASE] = phase
+        rereads[n] = b
+        return b
 
     def kept(n) -> bool:
         if not isinstance(n, fx.Node) or n not in members or n in saved:
@@ -447,6 +489,8 @@ def _recompute(g: fx.Graph, r: _Region, policy: Policy, order: dict, save_random
         return not any(isinstance(a, fx.Node) for a in n.all_input_nodes)   # a constant
 
     def copy(n: fx.Node) -> fx.Node:
+        if of_input(n):
+            return reread(n)
         if kept(n):
             return n
         if n in copies:
@@ -454,12 +498,13 @@ def _recompute(g: fx.Graph, r: _Region, policy: Policy, order: dict, save_random
         for a in n.all_input_nodes:
             copy(a)
         with g.inserting_before(at):
-            c = g.node_copy(n, lambda a: copies.get(a, a))
+            c = g.node_copy(n, lambda a: copies.get(a, rereads.get(a, a)))
         c.meta = dict(n.meta)
         if phase is not None:
             c.meta[META_PHASE] = phase
-        if not any(a in copies.values() or a in barriers.values() for a in c.all_input_nodes):
-            _through_barrier(g, c, at, after, barriers, phase)
+        fresh = set(copies.values()) | set(barriers.values()) | set(rereads.values())
+        if not any(a in fresh for a in c.all_input_nodes):
+            _through_barrier(g, c, barriers, phase)
         copies[n] = c
         return c
 
@@ -467,10 +512,22 @@ def _recompute(g: fx.Graph, r: _Region, policy: Policy, order: dict, save_random
         c = copy(n)
         for u in users:
             u.replace_input_with(n, c)
+    # the region's backward (from the recomputation to the last reader of a recomputed
+    # value) reads its parameters again too
+    pos = {n: i for i, n in enumerate(g.nodes)}
+    made = set(copies.values()) | set(barriers.values()) | set(rereads.values())
+    first = pos[at]
+    last = max((pos[u] for c in copies.values() for u in c.users), default=first)
+    for n in [a for a in inputs] + [m for m in inside if of_input(m)]:
+        users = [u for u in n.users if u not in made and first <= pos.get(u, -1) <= last]
+        if users:
+            b = reread(n)
+            for u in users:
+                u.replace_input_with(n, b)
     return len(copies)
 
 
-def _through_barrier(g: fx.Graph, c: fx.Node, at: fx.Node, after, barriers: dict, phase) -> None:
+def _through_barrier(g: fx.Graph, c: fx.Node, barriers: dict, phase) -> None:
     """NOTE [Recomputed values stay recomputed]: ``c`` reads its smallest tensor input
     through a barrier."""
     tensors = [a for a in c.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
@@ -480,22 +537,12 @@ def _through_barrier(g: fx.Graph, c: fx.Node, at: fx.Node, after, barriers: dict
     b = barriers.get(x)
     if b is None:
         with g.inserting_before(c):
-            b = g.call_function(BARRIER_OP, (x, after))
+            b = g.call_function(BARRIER_OP, (x,))
         b.meta["val"] = x.meta["val"]
         if phase is not None:
             b.meta[META_PHASE] = phase
         barriers[x] = b
     c.replace_input_with(x, b)
-
-
-def _after_value(at: fx.Node, end: int, order: dict):
-    """The tensor computed last before ``at`` and after the region, or None."""
-    n = at.prev
-    while n.op != "root" and (n not in order or order[n] > end):
-        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor):
-            return n
-        n = n.prev
-    return None
 
 
 def _position(g: fx.Graph, node: fx.Node) -> int:
