@@ -5,8 +5,9 @@
 - On real gloo ranks, bf16 training of the test GPT equals the same policy on one
   device (the eager ``precision.in_grad`` step): losses within bf16 tolerance, the
   fp32 master parameters' updates close; in both layouts, with either reduce dtype,
-  on a 2x2 ("dp", "tp") mesh with Megatron specs, and with ``Policy.wrap`` under
-  DTensorExpandMode.
+  at world sizes 2 and 4, on a 2x2 ("dp", "tp") mesh with Megatron specs, with HSDP,
+  for a pjit call differentiated from outside, and with ``Policy.wrap`` under
+  DTensorExpandMode and inside a shard_map body.
 - The lowered programs move what the policy says: bf16 all-gathers of half the fp32
   program's bytes, gradient reductions in ``reduce_dtype`` (fp32: the fp32 program's
   bytes; None: bf16, half), as many collectives as the fp32 program (the buckets hold).
@@ -67,13 +68,13 @@ def _close_updates(got: dict, ref: dict, start: dict) -> float:
 
 # -- on the ranks ---------------------------------------------------------------------------
 
-def _train(mesh_shape, names, mode, step_fn=sgd_step, tp=False, steps=3):
+def _train(mesh_shape, names, mode, step_fn=sgd_step, tp=False, steps=3, batch_spec=P("dp")):
     """``steps`` SGD steps under pjit against the eager single-device step with the
     same policy (``precision.in_grad``, or the step's own ``Policy.wrap``)."""
     mesh = Mesh(mesh_shape, names)
     p0 = gpt.init_params(CFG, 0)
     ps = gpt.tp_specs(p0) if tp else P()
-    step = pjit(step_fn, in_specs=(ps, P("dp"), P("dp")), mesh=mesh, mode=mode)
+    step = pjit(step_fn, in_specs=(ps, batch_spec, batch_spec), mesh=mesh, mode=mode)
     ref = step_fn if step_fn is policy_sgd_step else precision.in_grad(step_fn, BF16)
     ids, targets = gpt.batch(CFG, 8, seed=1)
     p, rp = p0, p0
@@ -89,7 +90,8 @@ def _train(mesh_shape, names, mode, step_fn=sgd_step, tp=False, steps=3):
     assert losses[-1] < losses[0]
     low = step.lower(p, ids, targets)
     return {"worst": worst, "specs": {k: spec_of(v) for k, v in p.items() if k != "blocks"},
-            "collectives": sorted({(c.kind, str(c.dtype)) for c in low.collectives()})}
+            "collectives": sorted({(c.kind, str(c.dtype)) for c in low.collectives()}),
+            "by_axis": sorted({(c.kind, str(c.axis), str(c.dtype)) for c in low.collectives()})}
 
 
 def _adamw_sharded():
@@ -237,17 +239,50 @@ def test_functional_policy_in_a_shard_map_body(ws2):
     assert ws2["shard_map"] == ["torch.bfloat16"]        # every matmul of the body
 
 
-def _train_2x2():
-    return _train((2, 2), ("dp", "tp"), DataParallelMode("shard", param_dtype=BF16, reduce_dtype=F32),
-                  tp=True)
+def _all_ws4():
+    mp = dict(param_sharding="shard", param_dtype=BF16, reduce_dtype=F32)
+    hsdp = ("dp_replicate", "dp_shard")
+    return {
+        "1d": _train((4,), ("dp",), DataParallelMode(**mp)),
+        "2x2-tp": _train((2, 2), ("dp", "tp"), DataParallelMode(**mp), tp=True),
+        "hsdp": _train((2, 2), hsdp, DataParallelMode(**mp, axis=hsdp), batch_spec=P(hsdp)),
+    }
 
 
-def test_composes_with_megatron_on_2x2(on_ranks):
-    r = on_ranks(4, _train_2x2)[0]
+@pytest.fixture
+def ws4(on_ranks):
+    if not _RESULTS4:
+        _RESULTS4.update(on_ranks(4, _all_ws4)[0])
+    return _RESULTS4
+
+
+_RESULTS4: dict = {}
+
+
+def test_four_ranks_equal_one_device(ws4):
+    r = ws4["1d"]
+    assert r["worst"] < 0.05
+    assert ("all_gather", "torch.bfloat16") in r["collectives"]
+    assert ("reduce_scatter", "torch.float32") in r["collectives"]
+
+
+def test_composes_with_megatron_on_2x2(ws4):
+    r = ws4["2x2-tp"]
     assert r["worst"] < 0.05
     assert ("all_gather", "torch.bfloat16") in r["collectives"]
     assert ("reduce_scatter", "torch.float32") in r["collectives"]
     assert ("all_gather", "torch.float32") not in r["collectives"]
+
+
+def test_composes_with_hsdp(ws4):
+    """HSDP: bf16 gathers over the shard axis; gradients reduce-scattered over it and
+    all-reduced over the replicate axis, both in fp32."""
+    r = ws4["hsdp"]
+    assert r["worst"] < 0.05
+    assert ("all_gather", "dp_shard", "torch.bfloat16") in r["by_axis"]
+    assert ("reduce_scatter", "dp_shard", "torch.float32") in r["by_axis"]
+    assert ("all_reduce", "dp_replicate", "torch.float32") in r["by_axis"]
+    assert ("all_gather", "dp_shard", "torch.float32") not in r["by_axis"]
 
 
 # -- the lowered programs (abstract meshes: no ranks) ---------------------------------------
