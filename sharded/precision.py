@@ -12,8 +12,8 @@ Two ways to ask for it (docs/precision.md):
   function and the gradients come back through the casts' backward, in the masters'
   dtype.
 
-Both give the same values: a cast is exact to round-to-nearest whichever op reads it,
-and each tensor is cast once per differentiated call.
+Both give the same values: each tensor is cast once per differentiated call, and a
+cast's value does not depend on where in the program it runs.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from sharded import _torch
+
+__all__ = ["Policy", "cast", "in_grad"]
 
 
 def check_dtype(api: str, name: str, dtype, *, optional: bool = True) -> torch.dtype | None:
