@@ -21,11 +21,11 @@ kernel reads each gradient once). Ops the expander handles itself (layout
 constraints) are left to reduce it their way (a reduce-scatter to a split layout).
 
 # NOTE [A pending sum through a cast]
-A float-to-float cast (``aten._to_copy`` with only a dtype) is linear too, but not
-exactly: the sum of the casts is not the cast of the sum. Where the reduction goes
-decides the dtype it runs in, so the mode says it: a pending sum travels through a
-cast to the mode's ``reduce_dtype`` and is reduced after it, in that dtype, and is
-reduced before any other cast, in the dtype it has. Mixed precision's gradients are
+A float-to-float cast (``aten._to_copy`` to another dtype, on the same device) is
+linear too, but not exactly: the sum of the casts is not the cast of the sum. Where
+the reduction goes decides the dtype it runs in, so the mode says it: a pending sum
+travels through a cast to the mode's ``reduce_dtype`` and is reduced after it, in
+that dtype, and is reduced before any other cast, in the dtype it has. Mixed precision's gradients are
 the case (sharded/precision.py): the backward of a parameter cast to bf16 produces
 its gradient as a bf16 pending sum, then casts it to the parameter's fp32. With
 ``reduce_dtype=torch.float32`` the sum travels through that cast and is reduced (or
