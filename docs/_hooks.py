@@ -21,7 +21,8 @@ log = logging.getLogger("mkdocs.plugins.sharded_docs")
 
 API_MODULES = [
     "sharded", "sharded.collectives", "sharded.random", "sharded.modes", "sharded.plans",
-    "sharded.checkpoint", "sharded.optim", "sharded.rules", "transforms",
+    "sharded.checkpoint", "sharded.optim", "sharded.precision", "sharded.rules",
+    "transforms",
 ]
 
 _LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
