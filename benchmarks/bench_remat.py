@@ -9,6 +9,10 @@ Rows (every one on ``--world`` gloo CPU ranks, the batch split over them, AdamW)
   fsdp2_ac          the same with every block under ``torch.utils.checkpoint``
                     (use_reentrant=False: save nothing, the same policy)
 
+With ``--rows pjit_fsdp_inductor,pjit_fsdp_remat_inductor`` (not in the default run:
+inductor's compile on CPU takes minutes), the two pjit rows run inductor's code
+(``compile=True``): the measured drop is that of the compiled program.
+
 Memory is measured in processes of their own (glibc set up so that resident memory
 follows allocations: ``_models.peak_resident_bytes``), each row built before the
 window, then one step inside it: the step's peak above the state it starts from (the
@@ -103,8 +107,8 @@ def _build(row: str, a: dict, world: int, rank: int):
     st: dict = {}
     if row.startswith("pjit"):
         mesh = Mesh((world,), ("dp",))
-        mode = DataParallelMode("shard", compile=False)
-        loss_fn = remat_loss if row.endswith("_remat") else gpt.loss_fn
+        mode = DataParallelMode("shard", compile=row.endswith("_inductor"))
+        loss_fn = remat_loss if "_remat" in row else gpt.loss_fn
         f = pjit(functools.partial(_step, loss_fn, cfg), in_specs=(P(), P(), P("dp"), P("dp")),
                  mesh=mesh, mode=mode, donate_argnums=(0, 1))
         st["p"] = pjit(lambda t: optree_clone(t), in_specs=P(), mesh=mesh, mode=mode)(params)
@@ -234,7 +238,12 @@ def main(argv=None):
         "time fsdp2_ac/fsdp2": ratio("fsdp2_ac", "fsdp2", ms),
         "activation memory fsdp2_ac/fsdp2": ratio("fsdp2_ac", "fsdp2", act),
         "estimate pjit_fsdp_remat/pjit_fsdp": ratio("pjit_fsdp_remat", "pjit_fsdp", estimate),
+        "time pjit_fsdp_remat_inductor/pjit_fsdp_inductor":
+            ratio("pjit_fsdp_remat_inductor", "pjit_fsdp_inductor", ms),
+        "activation memory pjit_fsdp_remat_inductor/pjit_fsdp_inductor":
+            ratio("pjit_fsdp_remat_inductor", "pjit_fsdp_inductor", act),
     }
+    ratios = {k: v for k, v in ratios.items() if v is not None}
     print(f"gpt-tiny {cfg}, batch {a['batch']}, world {args.world}; memory: "
           f"{memory[0]['method']} (peak of one step above its state, max over ranks)")
     print(f"{'row':<18}{'ms/step':>9}{'step peak MiB':>15}{'activations MiB':>17}"

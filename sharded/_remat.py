@@ -35,16 +35,17 @@ parameters themselves (a donated parameter's storage stays the one it updates).
 
 # NOTE [Recomputed values stay recomputed]
 A copy of a node is the same op on the same inputs, which CSE (the mode's passes,
-inductor's) would merge back into the original. So each copy that reads no other copy
-reads one of its inputs (the smallest) through ``sharded::remat_barrier(x)``, an
-opaque copy of ``x``: no copy is then the same op on the same inputs as its original.
-The barrier copies a small tensor (a norm's weight, the random seed) once per region.
-It takes no other input: a value of the backward as a second input would pin it after
-that value for inductor's scheduler too, but it would make a parameter's copy read the
-batch, which DataParallelMode's batch analysis then takes for a batch value. The graph
-runner runs the nodes in program order; inductor's scheduler has no reason to move the
-recomputation earlier (that would raise its peak), and the benchmark measures the
-compiled program's peak as well.
+inductor's) would merge back into the original, and inductor's scheduler may run an
+op as soon as its inputs exist: it ran every block's recomputation right after the
+forward, all of them alive at once, until the recomputation waited for the backward.
+So each copy that reads no other copy reads one of its inputs (the smallest) through
+``sharded::remat_barrier(x, token)``, an opaque copy of ``x``, and ``token`` is
+``sharded::remat_token(v)``, a scalar made from ``v``, the last value computed before
+the recomputation starts. No copy is then the same op on the same inputs as its
+original, and none can run before the backward reaches it. The barrier copies a small
+tensor (a norm's weight, the random seed) once per region. The token is a scalar,
+replicated, not ``v`` itself: DataParallelMode's batch analysis takes what reads the
+batch for a batch value, and a parameter's barrier must stay state.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from typing import Callable, Iterable
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from sharded import _registry, _torch, _tree
 from sharded._region import Region
@@ -155,8 +156,18 @@ def _name(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 @torch.library.custom_op("sharded::remat_barrier", mutates_args=())
-def _barrier(x: torch.Tensor) -> torch.Tensor:
+def _barrier(x: torch.Tensor, after: torch.Tensor | None = None) -> torch.Tensor:
     return x.clone()
+
+
+@torch.library.custom_op("sharded::remat_token", mutates_args=())
+def _token(after: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=after.dtype, device=after.device)
+
+
+@_token.register_fake
+def _(after):
+    return torch.empty((), dtype=after.dtype, device=after.device)
 
 
 def _identity_fake(x, *args):
@@ -171,6 +182,7 @@ ENTER_OP = torch.ops.sharded.remat_enter.default
 EXIT_OP = torch.ops.sharded.remat_exit.default
 NAME_OP = torch.ops.sharded.checkpoint_name.default
 BARRIER_OP = torch.ops.sharded.remat_barrier.default
+TOKEN_OP = torch.ops.sharded.remat_token.default
 MARKERS = (ENTER_OP, EXIT_OP, NAME_OP)
 
 
@@ -206,17 +218,33 @@ for _m in MARKERS:
     _registry.define(_m, autograd=functools.partial(_mark, _m))
 
 
+def _local(x):
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
 def _expand_barrier(ex, node, args, kwargs):
     """The barrier in a rank's program: on this rank's block, laid out as its input."""
-    x, = args
+    x, after = (*args, None)[:2]
     if not isinstance(x, DTensor):
-        return BARRIER_OP(x)
-    local = BARRIER_OP(x.to_local())
+        return BARRIER_OP(x, _local(after))
+    local = BARRIER_OP(x.to_local(), _local(after))
     return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False,
                               shape=x.shape, stride=x.stride())
 
 
+def _expand_token(ex, node, args, kwargs):
+    """The token in a rank's program: from this rank's block, replicated (it is a
+    dependency, not a value)."""
+    after, = args
+    local = TOKEN_OP(_local(after))
+    if not isinstance(after, DTensor):
+        return local
+    return DTensor.from_local(local, after.device_mesh, [Replicate()] * after.device_mesh.ndim,
+                              run_check=False, shape=torch.Size(()), stride=())
+
+
 _registry.define(BARRIER_OP, expand=_expand_barrier)
+_registry.define(TOKEN_OP, expand=_expand_token)
 
 # region number -> its policy (the markers carry the number: a custom op's arguments
 # are plain values)
@@ -242,18 +270,17 @@ def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
-def remat(fn: Callable | None = None, policy: Policy | None = None, *,
-          static_argnums: tuple = ()) -> Callable:
+def remat(fn: Callable | None = None, policy: Policy | None = None) -> Callable:
     """``fn`` whose intermediate values the backward computes again instead of keeping
     them from the forward, except those ``policy`` saves (default: none;
     ``remat_policies``). Like ``jax.checkpoint``: the values and gradients are those of
     ``fn``; inside a pjit'd function, the program's backward recomputes the region
     (its random draws are the same draws). Outside pjit's trace, ``fn`` runs as is.
-    Usable as a decorator, ``@remat`` or ``@remat(policy=...)``.
-    ``static_argnums`` is accepted for jax.checkpoint's signature and has no effect
-    (arguments that are not tensors are passed through as they are)."""
+    Usable as a decorator, ``@remat`` or ``@remat(policy=...)``. Arguments that are
+    not tensors are passed through as they are (jax.checkpoint's static_argnums is not
+    needed: the function is traced once)."""
     if fn is None:
-        return functools.partial(remat, policy=policy, static_argnums=static_argnums)
+        return functools.partial(remat, policy=policy)
     if not callable(fn):
         raise TypeError(f"sharded.remat expects a callable; got {type(fn).__name__}.")
     if policy is None:
@@ -450,6 +477,7 @@ def _recompute(g: fx.Graph, r: _Region, policy: Policy, order: dict, save_random
     copies: dict[fx.Node, fx.Node] = {}
     barriers: dict[fx.Node, fx.Node] = {}
     phase = at.meta.get(META_PHASE)
+    token = _token_before(g, at, r.end, order, phase)
     # the program inputs the region reads (its parameters) and the region's views of
     # them: read again, through a barrier, by the recomputation and by the region's
     # backward (NOTE [Parameters are read again])
@@ -468,7 +496,7 @@ def _recompute(g: fx.Graph, r: _Region, policy: Policy, order: dict, save_random
             return rereads[n]
         if n in inputs:
             with g.inserting_before(at):
-                b = g.call_function(BARRIER_OP, (n,))
+                b = g.call_function(BARRIER_OP, (n, token))
             b.meta["val"] = n.meta["val"]
         else:
             for a in n.all_input_nodes:
@@ -504,7 +532,7 @@ def _recompute(g: fx.Graph, r: _Region, policy: Policy, order: dict, save_random
             c.meta[META_PHASE] = phase
         fresh = set(copies.values()) | set(barriers.values()) | set(rereads.values())
         if not any(a in fresh for a in c.all_input_nodes):
-            _through_barrier(g, c, barriers, phase)
+            _through_barrier(g, c, barriers, phase, token)
         copies[n] = c
         return c
 
@@ -527,7 +555,25 @@ def _recompute(g: fx.Graph, r: _Region, policy: Policy, order: dict, save_random
     return len(copies)
 
 
-def _through_barrier(g: fx.Graph, c: fx.Node, barriers: dict, phase) -> None:
+def _token_before(g: fx.Graph, at: fx.Node, end: int, order: dict, phase):
+    """``sharded::remat_token`` of the tensor computed last before ``at`` and after the
+    region (NOTE [Recomputed values stay recomputed]), or None if there is none."""
+    n = at.prev
+    while n.op != "root" and (n not in order or order[n] > end):
+        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor) \
+                and n.meta["val"].numel() > 0:
+            with g.inserting_before(at):
+                token = g.call_function(TOKEN_OP, (n,))
+            val = n.meta["val"]
+            token.meta["val"] = val.new_empty(())
+            if phase is not None:
+                token.meta[META_PHASE] = phase
+            return token
+        n = n.prev
+    return None
+
+
+def _through_barrier(g: fx.Graph, c: fx.Node, barriers: dict, phase, token) -> None:
     """NOTE [Recomputed values stay recomputed]: ``c`` reads its smallest tensor input
     through a barrier."""
     tensors = [a for a in c.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
@@ -537,7 +583,7 @@ def _through_barrier(g: fx.Graph, c: fx.Node, barriers: dict, phase) -> None:
     b = barriers.get(x)
     if b is None:
         with g.inserting_before(c):
-            b = g.call_function(BARRIER_OP, (x,))
+            b = g.call_function(BARRIER_OP, (x, token))
         b.meta["val"] = x.meta["val"]
         if phase is not None:
             b.meta[META_PHASE] = phase
