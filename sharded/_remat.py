@@ -214,8 +214,14 @@ for _m in MARKERS:
 
 # a shard_map region's graph is interpreted under torch.func for its vjp: the markers
 # there are their differentiable calls
+def _marker_vmap(op, info, in_dims, x, arg):
+    """Under torch.func.vmap: the marker of the batched value."""
+    return op(x, arg), in_dims[0]
+
+
 for _m in MARKERS:
-    _registry.define(_m, autograd=functools.partial(_mark, _m))
+    _registry.define(_m, autograd=functools.partial(_mark, _m),
+                     vmap=functools.partial(_marker_vmap, _m))
 
 
 def _local(x):

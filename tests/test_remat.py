@@ -180,6 +180,27 @@ def test_outside_pjit_it_is_the_function():
     assert torch.equal(f(x), (x.sin() * 2).sum())
 
 
+def test_under_vmap_and_nested():
+    """remat inside torch.func.vmap (per-example gradients) and a remat region inside
+    another (the outer one decides): the values of the program without remat."""
+    g = torch.Generator().manual_seed(0)
+    w, xs = torch.randn(D, D, generator=g), torch.randn(4, 3, D, generator=g)
+
+    def blk(w, x):
+        return torch.tanh(checkpoint_name(x @ w, "a")).sum()
+
+    def per_example(b):
+        return lambda w, xs: torch.func.vmap(lambda x: torch.func.grad(b)(w, x))(xs)
+
+    mesh = Mesh((1,), ("dp",))
+    ref = per_example(blk)(w, xs)
+    for b in (remat(blk), remat(lambda w, x: remat(blk)(w, x) * 2)):
+        f = pjit(per_example(b), in_specs=(P(), P()), out_specs=P(), mesh=mesh)
+        want = ref if b.__name__ == "blk" else 2 * ref
+        assert torch.equal(f(w, xs).to_local(), want)
+        assert ops(f.lower(w, xs).global_graph)[BARRIER_OP] >= 1
+
+
 def test_compiled_runner_keeps_the_recomputation():
     """Inductor gets the program with its copies (CSE and scheduling keep them: NOTE
     [Recomputed values stay recomputed]): the compiled code runs the barriers and more
