@@ -252,10 +252,27 @@ def _expand_token(ex, node, args, kwargs):
 _registry.define(BARRIER_OP, expand=_expand_barrier)
 _registry.define(TOKEN_OP, expand=_expand_token)
 
-# region number -> its policy (the markers carry the number: a custom op's arguments
-# are plain values)
-_POLICIES: dict[int, Policy] = {}
+# the markers carry the region's number (a custom op's arguments are plain values)
+# (a region's number is (n << _POLICY_BITS) | its policy's index in the table below:
+# the table has one entry per distinct policy, however often programs are traced)
+_POLICY_BITS = 20
+_POLICIES: list[Policy] = []
+_POLICY_INDEX: dict[Policy, int] = {}
 _IDS = itertools.count(1)
+
+
+def _region_number(policy: Policy) -> int:
+    k = _POLICY_INDEX.get(policy)
+    if k is None:
+        if len(_POLICIES) >= 1 << _POLICY_BITS:
+            raise RuntimeError("sharded.remat: too many distinct policies in one process.")
+        k = _POLICY_INDEX[policy] = len(_POLICIES)
+        _POLICIES.append(policy)
+    return (next(_IDS) << _POLICY_BITS) | k
+
+
+def _policy_of(region: int) -> Policy:
+    return _POLICIES[region & ((1 << _POLICY_BITS) - 1)]
 
 
 # ---------------------------------------------------------------------------
@@ -309,8 +326,7 @@ def remat(fn: Callable | None = None, policy: Policy | None = None) -> Callable:
 
 def call_in_region(fn: Callable, policy: Policy, args: tuple, kwargs: dict):
     """``fn(*args, **kwargs)`` as a remat region of the program being traced."""
-    region = next(_IDS)
-    _POLICIES[region] = policy
+    region = _region_number(policy)
     leaves, treedef = _tree.flatten((args, kwargs))
     if not any(isinstance(x, torch.Tensor) for x in leaves):
         raise TypeError(
@@ -431,7 +447,7 @@ def rematerialize(gm: fx.GraphModule, *, save_random: bool = False) -> int:
             if r.start < order[node] < r.end:
                 r.names.setdefault(value, []).append(name)
     for r in top:
-        policy = _POLICIES.get(r.number, remat_policies.nothing_saveable)
+        policy = _policy_of(r.number)
         if policy.strict_names:
             found = {nm for names in r.names.values() for nm in names}
             missing = sorted(policy.names - found)
@@ -455,7 +471,7 @@ def rematerialize(gm: fx.GraphModule, *, save_random: bool = False) -> int:
                 inp = nxt
     done = 0
     for r in top:
-        policy = _POLICIES.get(r.number, remat_policies.nothing_saveable)
+        policy = _policy_of(r.number)
         done += _recompute(g, r, policy, order, save_random)
     g.lint()
     gm.recompile()
