@@ -8,20 +8,26 @@ policy does not save, from the region's inputs and saved values. docs/remat.md.
 # NOTE [Remat regions in the traced program]
 pjit traces one flat program: the forward, the backward that torch.func.grad (or the
 joint trace) adds after it, the optimizer. ``remat(fn)`` called while pjit traces
-passes each tensor argument of ``fn`` through ``sharded::remat_enter`` and each
-tensor output through ``sharded::remat_exit``, identities that carry the region's
-number. They are ops, so they survive everything before the rewrite (the retrace
-under functionalize keeps node order and ops, not node metadata); their gradients
-are identities and leave nothing in the backward. The region is every node between
-its first enter and its last exit in program order (the ops ``fn`` ran), its outputs
-what the exits take.
+records ``sharded::remat_enter`` of each tensor argument of ``fn`` before calling it
+and ``sharded::remat_exit`` of each tensor output after, markers that carry the
+region's number (and its policy's). They are ops, so they survive everything before
+the rewrite (the retrace under functionalize keeps node order and ops, not node
+metadata; they are registered as side-effectful so that no dead-code pass drops
+them). They take detached values and nothing reads their results, so the program's
+autograd graph, and the order in which it sums gradients, is the one without remat
+(the gradients are bitwise equal). The region is every node between its first enter
+and its last exit in program order (the ops ``fn`` ran), its outputs what the exits
+take. A shard_map body's markers are in its region's graph; its vjp, traced from that
+graph, has them too (``rematerialize_program`` rewrites both).
 
 The rewrite (``rematerialize``), for each region: the region's values that nodes
 after it read (the backward's residuals), other than its outputs and the values the
 policy saves, are computed again just before the first of those readers, each from
 the region's inputs, outputs and saved values, and those readers read the copies.
 The originals then have only forward readers, and the generated code frees them
-there. The markers and ``checkpoint_name`` nodes are removed (identities).
+there. The markers and ``checkpoint_name`` nodes are removed. Before the random
+rewrite (the joint program, which the partitioner splits before it), random ops are
+saved instead: the forward and backward programs draw from separate counters.
 
 # NOTE [Parameters are read again]
 The region's parameters (the program inputs it reads) are read by its recomputation
@@ -212,13 +218,13 @@ def _mark(op, x: torch.Tensor, arg) -> torch.Tensor:
 for _m in MARKERS:
     fx.node.has_side_effect(_m)
 
-# a shard_map region's graph is interpreted under torch.func for its vjp: the markers
-# there are their differentiable calls
 def _marker_vmap(op, info, in_dims, x, arg):
     """Under torch.func.vmap: the marker of the batched value."""
     return op(x, arg), in_dims[0]
 
 
+# a shard_map region's graph is interpreted under torch.func for its vjp: the markers
+# there are their differentiable calls
 for _m in MARKERS:
     _registry.define(_m, autograd=functools.partial(_mark, _m),
                      vmap=functools.partial(_marker_vmap, _m))
