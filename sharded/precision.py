@@ -135,6 +135,16 @@ class Policy:
 #   input (FSDP2's cast_forward_inputs), a parameter closed over;
 # - in a program that is itself differentiated (pjit called on inputs that require
 #   grad: the joint trace), every use of every floating input.
+# - a tensor computed from one of ``fn``'s floating inputs outside the transform (a
+#   micro-batch sliced off the batch by ``optim.accumulate``, a parameter reshaped
+#   before the grad call) counts as that input: it is cast where the transform uses
+#   it (``_derive``). Without this it would reach the forward in fp32 beside bf16
+#   parameters ("expected m1 and m2 to have the same dtype"), or silently compute in
+#   fp32 where it meets only elementwise ops.
+# A program that is differentiated from outside (the joint trace) and that also
+# differentiates inside (a train step called on parameters that require grad) is an
+# error: its forward cannot be told from its optimizer, and casting every use would
+# hand the optimizer bf16 masters (a silent rounding of the fp32 parameters).
 # Each tensor is cast once per grad call (a cache keyed on the wrapper, as autocast
 # caches its weight casts), at its first use, so a tied weight read twice has one
 # cast and its two gradients meet in param_dtype before the cast's backward. The
@@ -152,16 +162,26 @@ class Policy:
 class _CastInGrad(TorchFunctionMode):
     """NOTE [Casts at use inside the differentiated function]."""
 
-    def __init__(self, dtype: torch.dtype, inputs: list, joint: bool):
+    def __init__(self, dtype: torch.dtype, inputs: list, joint: bool, api: str):
         super().__init__()
         self.dtype = dtype
         self.inputs = {id(t): t for t in inputs if t.is_floating_point() and t.dtype != dtype}
         self.joint = joint
+        self.api = api
         self.cache: dict[tuple, tuple] = {}     # key -> (tensor, its cast): keeps ids unique
 
     def _cast(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
+        if self.joint and _torch.in_grad_transform() and (
+                _torch.is_grad_tracking(x) or id(x) in self.inputs):
+            raise ValueError(
+                f"{self.api}: the function differentiates inside itself (torch.func.grad) "
+                f"and is called on tensors that require grad, so its forward cannot be told "
+                f"from its optimizer: casting every use to {self.dtype} would hand the "
+                f"optimizer {self.dtype} copies of the fp32 masters. Pass tensors that do not "
+                f"require grad (e.g. {{k: v.detach() for k, v in model.named_parameters()}}), "
+                f"or differentiate the call from outside only.")
         if _torch.is_grad_tracking(x):
             if id(_torch.functorch_base(x)) not in self.inputs:
                 return x
@@ -179,9 +199,24 @@ class _CastInGrad(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.inputs and (self.joint or _torch.functorch_level()) and not _not_a_use(func):
+        if not self.inputs or _not_a_use(func):
+            return func(*args, **kwargs)
+        if self.joint or _torch.functorch_level():
             args, kwargs = optree.tree_map(self._cast, (args, kwargs), none_is_leaf=True)
-        return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self._derive((args, kwargs), out)
+        return out
+
+    def _derive(self, args, out) -> None:
+        """Outside the transforms: ``out`` computed from one of the inputs counts as
+        an input (NOTE [Casts at use inside the differentiated function])."""
+        if not any(isinstance(a, torch.Tensor) and id(a) in self.inputs
+                   for a in optree.tree_leaves(args, none_is_leaf=True)):
+            return
+        for t in optree.tree_leaves(out, none_is_leaf=True):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != self.dtype:
+                self.inputs[id(t)] = t
 
 
 def _not_a_use(func) -> bool:
@@ -203,7 +238,8 @@ _IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__"
                                "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"})
 
 
-def in_grad(fn: Callable, param_dtype: torch.dtype) -> Callable:
+def in_grad(fn: Callable, param_dtype: torch.dtype, *,
+            api: str = "sharded.precision.in_grad") -> Callable:
     """``fn`` (tensors in) computing in ``param_dtype`` inside the function it
     differentiates: NOTE [Casts at use inside the differentiated function]. This is
     ``DataParallelMode(param_dtype=...)``'s policy; called eagerly it is the same
@@ -214,7 +250,7 @@ def in_grad(fn: Callable, param_dtype: torch.dtype) -> Callable:
     def wrapped(*args, **kwargs):
         leaves = [x for x in optree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         joint = any(t.requires_grad for t in leaves)
-        with _CastInGrad(dtype, leaves, joint):
+        with _CastInGrad(dtype, leaves, joint, api):
             return fn(*args, **kwargs)
 
     return wrapped

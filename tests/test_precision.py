@@ -104,10 +104,31 @@ def _adamw_sharded():
     p = rp = gpt.init_params(CFG, 0)
     o = ro = optim.adamw_init(p)
     ids, targets = gpt.batch(CFG, 8, seed=1)
+    p0 = p
     for _ in range(2):
         p, o, loss = step(p, o, ids, targets)
         rp, ro, ref_loss = ref(rp, ro, ids, targets)
         torch.testing.assert_close(gather(loss).float(), ref_loss.float(), rtol=1e-2, atol=1e-2)
+    # The fp32 masters moved as one device's did. AdamW's first steps move a weight
+    # by about lr * sign(gradient), so where a gradient is near zero the ranks' bf16
+    # rounding can flip its update: nearly every update agrees to 5%, and none differs
+    # by more than two steps' worth (2 * lr per step).
+    agree = total = 0
+    for a, b, s in zip(optree.tree_leaves(gather(p)), optree.tree_leaves(rp), optree.tree_leaves(p0)):
+        assert a.dtype == F32
+        du, dr = a - s, b - s
+        agree += int(((du - dr).abs() <= 0.05 * dr.abs() + 1e-5).sum())
+        total += du.numel()
+        assert float((du - dr).abs().max()) <= 2 * 2 * 1e-2
+    assert agree >= 0.95 * total, (agree, total)
+    # the first moments: fp32 averages of gradients that match to bf16 rounding (of
+    # each rank's share, so near-zero sums differ by more than their own magnitude)
+    agree = total = 0
+    for a, b in zip(optree.tree_leaves(gather(o["m"])), optree.tree_leaves(ro["m"])):
+        assert a.dtype == F32
+        agree += int(((a - b).abs() <= 0.05 * b.abs() + 0.02 * float(b.abs().max())).sum())
+        total += a.numel()
+    assert agree >= 0.98 * total, (agree, total)
     return {"param": (str(p["wte"].dtype), spec_of(p["wte"])),
             "moments": (str(o["m"]["wte"].dtype), spec_of(o["m"]["wte"]),
                         str(o["v"]["wte"].dtype), spec_of(o["v"]["wte"]))}
@@ -283,6 +304,8 @@ def test_composes_with_hsdp(ws4):
     assert ("reduce_scatter", "dp_shard", "torch.float32") in r["by_axis"]
     assert ("all_reduce", "dp_replicate", "torch.float32") in r["by_axis"]
     assert ("all_gather", "dp_shard", "torch.float32") not in r["by_axis"]
+    assert ("reduce_scatter", "dp_shard", "torch.bfloat16") not in r["by_axis"]
+    assert not any(a == "dp_replicate" and k != "all_reduce" for k, a, _ in r["by_axis"])
 
 
 # -- the lowered programs (abstract meshes: no ranks) ---------------------------------------
@@ -340,6 +363,9 @@ def test_replicate_reduces_in_reduce_dtype():
                       if c.kind == "all_reduce" and c.dtype == dtype)
         assert reduced >= grads, (dtype, reduced, grads)
         assert not any(c.kind == "all_gather" for c in low.collectives())
+    # no gradient reduced in the other dtype (at most the loss's scalars are bf16)
+    assert sum(c.bytes for c in fp32.collectives() if c.dtype == BF16) <= 16
+    assert not any(c.dtype == F32 and c.shape for c in half.collectives())
 
 
 def test_optimizer_reads_fp32_and_forward_computes_bf16():
@@ -412,3 +438,67 @@ def test_cache_key_and_repr_name_the_dtypes():
     c = DataParallelMode("shard", param_dtype=BF16, reduce_dtype=F32)
     assert len({a.cache_key(), b.cache_key(), c.cache_key()}) == 3
     assert "param_dtype=torch.bfloat16" in repr(c) and "reduce_dtype=torch.float32" in repr(c)
+
+
+def test_a_reduce_dtype_nothing_casts_to_is_an_error():
+    """Gradients are reduced in reduce_dtype where they pass through a cast to it: the
+    cast back from param_dtype to the masters' dtype. A reduce_dtype that is neither
+    param_dtype nor the floating inputs' dtype would be ignored (the gradients reduced
+    in another dtype, silently): an error at trace."""
+    mesh = Mesh.abstract((2,), ("dp",))
+    with pytest.raises(ValueError, match=r"reduce_dtype=torch.bfloat16\): gradients are computed in "
+                                         r"their parameters' dtype .*torch.float32 here.*reduce_dtype=None"):
+        _lower(mesh, DataParallelMode("replicate", reduce_dtype=BF16))
+    with pytest.raises(ValueError, match=r"nothing casts them to reduce_dtype torch.float16"):
+        _lower(mesh, DataParallelMode("shard", param_dtype=BF16, reduce_dtype=torch.float16))
+    _lower(mesh, DataParallelMode("replicate", reduce_dtype=F32))     # fp32 masters: nothing to do
+
+
+def test_a_step_that_differentiates_inside_on_inputs_that_require_grad_is_an_error():
+    """Called on parameters that require grad, a train step that differentiates
+    inside is differentiated from outside too: every use would be cast, and the
+    optimizer would get bf16 copies of the masters. The mode says so instead."""
+    mesh = Mesh((1,), ("dp",))
+    f = pjit(sgd_step, in_specs=(P(), P("dp"), P("dp")), mesh=mesh,
+             mode=DataParallelMode(param_dtype=BF16))
+    p = optree.tree_map(lambda t: t.requires_grad_(), gpt.init_params(CFG, 0))
+    ids, targets = gpt.batch(CFG, 4, seed=1)
+    with pytest.raises(Exception, match=r"differentiates inside itself .*Pass tensors that do not "
+                                        r"require grad"):
+        f(p, ids, targets)
+    with pytest.raises(ValueError, match=r"in_grad: the function differentiates inside itself"):
+        precision.in_grad(sgd_step, BF16)(p, ids, targets)
+
+
+def _mlp_loss(w, x, y):
+    return torch.nn.functional.mse_loss(torch.tanh(x @ w["a"]) @ w["b"], y)
+
+
+def _accumulated_step(w, x, y):
+    g = optim.accumulate(torch.func.grad(_mlp_loss), w, x, y, num_microbatches=2)
+    return optree.tree_map(lambda p, d: p - 0.1 * d, w, g)
+
+
+def test_inputs_sliced_before_the_grad_are_cast_too():
+    """optim.accumulate slices the batch outside torch.func.grad: the micro-batches
+    are new tensors, computed from the step's float inputs, and are cast where the
+    grad uses them (they once reached the matmul in fp32 beside bf16 weights:
+    "expected m1 and m2 to have the same dtype"). Equal, bit for bit, to the casts
+    written into the loss; under pjit every matmul is bf16."""
+    g = torch.Generator().manual_seed(0)
+    w = {"a": torch.randn(4, 8, generator=g), "b": torch.randn(8, 2, generator=g)}
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    got = precision.in_grad(_accumulated_step, BF16)(w, x, y)
+
+    def by_hand(w, x, y):
+        grad = torch.func.grad(POLICY.wrap(_mlp_loss))
+        return optree.tree_map(lambda p, d: p - 0.1 * d, w,
+                               optim.accumulate(grad, w, x, y, num_microbatches=2))
+
+    want = by_hand(w, x, y)
+    for k in w:
+        assert got[k].dtype == F32 and torch.equal(got[k], want[k]), k
+    low = pjit(_accumulated_step, in_specs=(P(), P("dp"), P("dp")), mesh=Mesh.abstract((2,), ("dp",)),
+               mode=DataParallelMode(param_dtype=BF16, reduce_dtype=F32)).lower(w, x, y)
+    mms = [n for n in low.global_graph.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert mms and all(n.meta["val"].dtype == BF16 for n in mms)

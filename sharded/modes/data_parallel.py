@@ -44,6 +44,7 @@ batch" (a state shard is a Shard too). The policy keeps them honest:
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -151,8 +152,37 @@ class DataParallelMode(ParallelMode):
     def traced_function(self, fn):
         """``fn`` computing in ``param_dtype`` inside the function it differentiates
         (NOTE [Casts at use inside the differentiated function] in
-        sharded/precision.py), or ``fn`` itself without a ``param_dtype``."""
-        return fn if self.param_dtype is None else precision.in_grad(fn, self.param_dtype)
+        sharded/precision.py), or ``fn`` itself without a ``param_dtype``; a
+        ``reduce_dtype`` the gradients cannot be reduced in is an error at trace."""
+        traced = fn if self.param_dtype is None else precision.in_grad(
+            fn, self.param_dtype, api=repr(self))
+        if self.reduce_dtype in (None, self.param_dtype):
+            return traced
+
+        @functools.wraps(fn)
+        def checked(*tensors):
+            self._check_reduce_dtype(tensors)
+            return traced(*tensors)
+
+        return checked
+
+    def _check_reduce_dtype(self, tensors) -> None:
+        """A gradient is reduced in ``reduce_dtype`` where it passes through a cast to
+        it (NOTE [A pending sum through a cast]): the cast back from ``param_dtype``
+        to its parameter's dtype. So ``reduce_dtype``, unless it is ``param_dtype``,
+        must be the dtype of the floating inputs; nothing else casts a gradient to
+        it, and it would be reduced in another dtype, silently."""
+        other = sorted({str(t.dtype) for t in tensors if isinstance(t, torch.Tensor)
+                        and t.is_floating_point() and t.dtype not in (self.reduce_dtype, self.param_dtype)})
+        if other:
+            computed = ("in their parameters' dtype" if self.param_dtype is None
+                        else f"in param_dtype ({self.param_dtype}), then cast back")
+            raise ValueError(
+                f"{self!r}: gradients are computed {computed} to their parameters' dtype "
+                f"({', '.join(other)} here); nothing casts them to reduce_dtype "
+                f"{self.reduce_dtype}, so they would be reduced in another dtype. Use "
+                f"reduce_dtype=None (reduce in the dtype they are computed in), or the "
+                f"floating inputs' dtype (fp32 masters: reduce_dtype=torch.float32).")
 
     @property
     def axes(self) -> tuple[str, ...]:
