@@ -261,7 +261,6 @@ def _error(fn, *args) -> str:
 
 
 def test_errors_name_the_axes_and_the_fix():
-    # (a shape of its own: abstract meshes of one shape share their groups' names)
     mesh = Mesh.abstract((2, 1), ("dp_replicate", "fsdp"))
     x = torch.empty(8, 4, device="meta")
     msg = _error(pjit(lambda x: x.sum(), in_specs=P(("dp_replicate", "fsdp")), mesh=mesh,

@@ -23,13 +23,17 @@ def no_decay_on_vectors(name, p):
     return p.ndim >= 2
 
 
-def train_step(params, opt_state, ids, targets, micro: int = 1, clip: bool = True):
+def train_step(params, opt_state, ids, targets, micro: int = 1, clip: bool | str = True):
     """Warmup + cosine lr from the step count, weight decay on matrices only, the
-    gradients of ``micro`` micro-batches, clipped to MAX_NORM."""
+    gradients of ``micro`` micro-batches, clipped to MAX_NORM (``clip="traced"``: by a
+    norm written as a plain sum of squares, to count what it costs)."""
     grads, loss = optim.accumulate(torch.func.grad_and_value(loss_fn), params, ids, targets,
                                    num_microbatches=micro)
     norm = torch.zeros(())
-    if clip:
+    if clip == "traced":
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
+        grads = {k: g * torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0) for k, g in grads.items()}
+    elif clip:
         grads, norm = optim.clip_by_global_norm(grads, MAX_NORM)
     params, opt_state = optim.adamw(params, grads, opt_state, lr=SCHED, weight_decay=0.1,
                                     mask=no_decay_on_vectors)
@@ -186,6 +190,10 @@ def test_clipping_adds_one_scalar_all_reduce(mode, mesh_kind):
     assert len(without) <= len(with_clip) <= len(without) + scalars, (without, with_clip)
     if mode == "shard" and mesh_kind == "dp_tp":
         assert ("all_reduce", ("dp", "tp"), ()) in with_clip       # one, over both axes
+    if mesh_kind == "dp_tp":      # docs/optim.md's table: what a plain traced norm costs
+        traced = _kinds(_lower(mesh, MODES[mode](), specs, clip="traced"))
+        assert len(traced) - len(without) == {"expand": 3, "replicate": 3, "shard": 7}[mode], \
+            (without, traced)
 
 
 def _numel(shape) -> int:
