@@ -359,6 +359,10 @@ FUSED_ADAMW_INPLACE = torch.ops.aten._fused_adamw_.default
 # in-place form
 FUSED_ADAMW_TENSOR_LR = torch.ops.aten._fused_adamw.tensor_lr
 FUSED_ADAMW_TENSOR_LR_INPLACE = torch.ops.aten._fused_adamw_.tensor_lr
+# each functional fused AdamW overload -> its in-place form (the one table the
+# expander, the in-place pass and the runner read)
+FUSED_ADAMW_IN_PLACE = {FUSED_ADAMW: FUSED_ADAMW_INPLACE,
+                        FUSED_ADAMW_TENSOR_LR: FUSED_ADAMW_TENSOR_LR_INPLACE}
 
 
 def suspend_dispatch_modes():

@@ -363,7 +363,7 @@ def _cat(ex: Expander, args, kwargs):
 # out as its parameter is (after the mode's policy reduced the pending gradients:
 # an all-reduce, or a reduce-scatter onto the parameter's shards), the kernel runs on
 # the local shards, and each result takes its parameter's placements.
-_ELEMENTWISE_LISTS = {_torch.FUSED_ADAMW, _torch.FUSED_ADAMW_TENSOR_LR}   # lr a float or a tensor
+_ELEMENTWISE_LISTS = set(_torch.FUSED_ADAMW_IN_PLACE)   # lr a float or a tensor
 
 
 def _elementwise_lists(ex: Expander, target, args, kwargs):

@@ -269,5 +269,5 @@ def _fused_inplace(graph: fx.GraphModule) -> bool:
     ("mutating a non-functional tensor with a functional tensor"); such a program
     already updates its state in place, and "auto" keeps it a graph."""
     return any(n.op == "call_function"
-               and n.target in (_torch.FUSED_ADAMW_INPLACE, _torch.FUSED_ADAMW_TENSOR_LR_INPLACE)
+               and n.target in _torch.FUSED_ADAMW_IN_PLACE.values()
                for n in graph.graph.nodes)

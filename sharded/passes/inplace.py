@@ -173,8 +173,7 @@ def reinplace_foreach(gm: fx.GraphModule, fused: bool = True) -> fx.GraphModule:
 # storage with another operand; and nothing reads a result that the in-place form
 # does not produce (the functional form's copy of the gradients). A donated train
 # step then updates its parameters and moments in the donated storage.
-_FUSED = {_torch.FUSED_ADAMW: _torch.FUSED_ADAMW_INPLACE,
-          _torch.FUSED_ADAMW_TENSOR_LR: _torch.FUSED_ADAMW_TENSOR_LR_INPLACE}
+_FUSED = _torch.FUSED_ADAMW_IN_PLACE
 
 
 def _reinplace_fused(g: fx.Graph, n: fx.Node, writable, retarget) -> bool:
