@@ -48,8 +48,13 @@ So each copy that reads no other copy reads one of its inputs (the smallest) thr
 ``sharded::remat_barrier(x, token)``, an opaque copy of ``x``, and ``token`` is
 ``sharded::remat_token(v)``, a scalar made from ``v``, the last value computed before
 the recomputation starts. No copy is then the same op on the same inputs as its
-original, and none can run before the backward reaches it. The barrier copies a small
-tensor (a norm's weight, the random seed) once per region. The token is a scalar,
+original, and none can run before the backward reaches it. What a barrier copies is
+the smallest input of such a root copy: under nothing_saveable a small tensor (a
+norm's weight, the random seed); under a policy that saves values inside the region
+(dots_saveable), a root copy may read only a saved activation (gelu of a saved
+matmul), and its barrier copies that activation once per backward: one activation's
+bytes, transient, and a memcpy. (An aliasing barrier would avoid it; not done.) The
+token is a scalar,
 replicated, not ``v`` itself: DataParallelMode's batch analysis takes what reads the
 batch for a batch value, and a parameter's barrier must stay state.
 """
@@ -326,7 +331,6 @@ def remat(fn: Callable | None = None, policy: Policy | None = None) -> Callable:
             return fn(*args, **kwargs)
         return call_in_region(fn, policy, args, kwargs)
 
-    wrapped.__sharded_remat__ = policy       # type: ignore[attr-defined]
     return wrapped
 
 
@@ -358,6 +362,13 @@ def torch_checkpoint(function, *args, use_reentrant=None, context_fn=None,
     """What ``torch.utils.checkpoint.checkpoint`` does while pjit traces: a remat
     region that saves nothing (NOTE [torch.utils.checkpoint while tracing] in
     sharded/_torch.py)."""
+    if not in_global_trace():
+        # another thread's call while this one traces (the redirect is process-wide):
+        # torch's own checkpoint
+        kw = {k: v for k, v in (("context_fn", context_fn), ("determinism_check", determinism_check),
+                                ("debug", debug), ("early_stop", early_stop)) if v is not None}
+        return _torch.torch_checkpoint_itself()(function, *args, use_reentrant=use_reentrant,
+                                                preserve_rng_state=preserve_rng_state, **kw, **kwargs)
     if context_fn is not None and not _torch.is_noop_checkpoint_context(context_fn):
         raise NotImplementedError(
             "torch.utils.checkpoint.checkpoint with a context_fn (selective activation "
@@ -501,7 +512,10 @@ def _recompute(g: fx.Graph, r: _Region, policy: Policy, order: dict, save_random
     if not later:
         return 0
     readers = {u for us in later.values() for u in us}
-    at = min(readers, key=lambda u: order[u] if u in order else _position(g, u))
+    for u in readers:
+        _sink_view(u)
+    pos = {n: i for i, n in enumerate(g.nodes)}
+    at = min(readers, key=pos.__getitem__)
     copies: dict[fx.Node, fx.Node] = {}
     barriers: dict[fx.Node, fx.Node] = {}
     phase = at.meta.get(META_PHASE)
@@ -619,11 +633,27 @@ def _through_barrier(g: fx.Graph, c: fx.Node, barriers: dict, phase, token) -> N
     c.replace_input_with(x, b)
 
 
-def _position(g: fx.Graph, node: fx.Node) -> int:
-    for i, n in enumerate(g.nodes):
-        if n is node:
-            return i
-    return -1
+# NOTE [A view waits for its reader]
+# The recomputation goes before the first later reader of a value it recomputes. A view
+# of such a value can sit far ahead of what reads it: the joint program copies the
+# forward's views to the start of its backward (NOTE [The joint program] in _trace.py),
+# and a view of a 3-D activation (F.linear's reshape) read by the backward would pull
+# every region's recomputation to the backward's first node, all alive at once (the
+# backward's peak rose above the program without remat). A view costs nothing and
+# reads nothing else, so it is moved down to just before its first reader first (its
+# own view readers first), and the recomputation goes before the first real reader.
+def _sink_view(u: fx.Node) -> None:
+    """NOTE [A view waits for its reader]."""
+    if u.op != "call_function" or u.target not in _VIEW_OPS or not u.users:
+        return
+    for v in list(u.users):
+        _sink_view(v)
+    users = set(u.users)
+    first = u.next
+    while first not in users:
+        first = first.next
+    if u.next is not first:
+        first.prepend(u)
 
 
 def _recomputable(n: fx.Node, save_random: bool) -> bool:

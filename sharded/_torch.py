@@ -882,6 +882,14 @@ def torch_checkpoint_as(redirect):
             delattr(inner, key)
 
 
+def torch_checkpoint_itself():
+    """``torch.utils.checkpoint.checkpoint``'s own function, under its _disable_dynamo
+    wrapper (what ``torch_checkpoint_as`` redirects)."""
+    import torch.utils.checkpoint as tuc
+
+    return tuc.checkpoint.__wrapped__
+
+
 def is_noop_checkpoint_context(context_fn) -> bool:
     """Is ``context_fn`` torch.utils.checkpoint's default (no selective policy)?"""
     import torch.utils.checkpoint as tuc
