@@ -491,3 +491,34 @@ def test_torch_checkpoint_outside_a_trace_stays_torchs():
     (ref,) = torch.autograd.grad(torch.tanh(x @ w).sum(), w)
     assert torch.equal(gw, ref)
     assert len(runs) == 2          # torch's checkpoint: the forward, then its recomputation
+
+
+def _shard_map_psum_on_ranks():
+    """A remat region inside a shard_map body whose block has a psum over "dp": the
+    recomputation issues the collective again, on every rank alike."""
+    from sharded import gather, shard_map
+    from sharded.collectives import psum
+
+    mesh = Mesh((2,), ("dp",))
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(D, D, generator=g) * 0.3, torch.randn(8, D, generator=g)
+
+    def blk(w, h):
+        a = torch.tanh(h @ w)
+        return torch.sin(a * psum(a.sum(0, keepdim=True), "dp")) + h
+
+    grads = []
+    for use in (False, True):
+        b = remat(blk) if use else blk
+        body = shard_map(lambda w, h: b(w, b(w, h)), mesh=mesh, in_specs=(P(), P("dp")),
+                         out_specs=P("dp"))
+        f = pjit(lambda w, x: torch.func.grad(lambda w, x: (body(w, x) ** 2).sum())(w, x),
+                 in_specs=(P(), P("dp")), out_specs=P(), mesh=mesh)
+        grads.append(gather(f(w, x)))
+        barriers = ops(f.lower(w, x).local_graph)[BARRIER_OP]
+        assert (barriers >= 2) if use else (barriers == 0), barriers
+    return torch.equal(grads[0], grads[1])
+
+
+def test_shard_map_body_with_a_collective_on_ranks(on_ranks):
+    assert all(on_ranks(2, _shard_map_psum_on_ranks))
