@@ -354,6 +354,30 @@ def peak_allocated_bytes(fn) -> int:
 # and read after it. It counts what a rank really holds (gloo's own buffers included,
 # for every row alike) to a page, plus the Python objects the window creates.
 
+def peak_measure():
+    """``(method, measure)``: how this machine measures a window's peak memory
+    (``"resident"``: the process's resident set, where the heap returns memory exactly;
+    else ``"profiler"``: torch's allocations) and the function that does
+    (``measure(fn) -> bytes``)."""
+    if exact_heap():
+        return "resident", peak_resident_bytes
+    return "profiler", peak_allocated_bytes
+
+
+def gpt_arguments(ap, *, layers: int = 2, batch: int = 8, seq: int = 64, warmup: int = 3,
+                  iters: int = 20) -> None:
+    """The GPT-shape, world and timing options the train-step benchmarks share."""
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--seq", type=int, default=seq)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--iters", type=int, default=iters)
+
+
 def exact_heap() -> bool:
     """Make resident memory follow allocations (glibc, Linux): True if it could. Call
     once in a process that measures memory only (the mappings slow allocation)."""

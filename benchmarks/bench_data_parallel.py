@@ -277,8 +277,7 @@ def _rank_main(a: dict) -> dict:
 
 def _memory(a: dict, spec: dict, world: int, rank: int) -> dict:
     res: dict = {"peak_bytes": {}}
-    res["peak_method"] = "resident" if M.exact_heap() else "profiler"
-    measure = M.peak_resident_bytes if res["peak_method"] == "resident" else M.peak_allocated_bytes
+    res["peak_method"], measure = M.peak_measure()
     # each mode built and run alone, from nothing, inside the window, after one
     # warm-up build of every mode outside it: one-time allocations (compiles, DTensor's
     # and gloo's caches) would otherwise land on whichever row runs first

@@ -143,8 +143,7 @@ def _rank_main(a: dict) -> dict:
 
 def _memory(a: dict, spec: dict, world: int, rank: int) -> dict:
     res: dict = {"peak_bytes": {}}
-    res["peak_method"] = "resident" if M.exact_heap() else "profiler"
-    measure = M.peak_resident_bytes if res["peak_method"] == "resident" else M.peak_allocated_bytes
+    res["peak_method"], measure = M.peak_measure()
     for row in a["rows"]:                   # a warm-up build of every row outside the window
         warm_step, _ = _build(row, spec, world, rank)
         warm_step()
@@ -192,15 +191,7 @@ def _time(a: dict, spec: dict, world: int, rank: int) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=20)
+    M.gpt_arguments(ap)
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "precision.json"))
     args = ap.parse_args(argv)

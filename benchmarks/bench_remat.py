@@ -162,8 +162,7 @@ def _rank_main(a: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict = {}
     if a["phase"] == "memory":
-        out["method"] = "resident" if M.exact_heap() else "profiler"
-        measure = M.peak_resident_bytes if out["method"] == "resident" else M.peak_allocated_bytes
+        out["method"], measure = M.peak_measure()
         out["peak"], out["grad_bytes"], out["estimate"] = {}, {}, {}
         for row in a["rows"]:
             step, st = _build(row, a, world, rank)      # state and one step: outside the window
@@ -187,15 +186,7 @@ def _rank_main(a: dict) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=6)
+    M.gpt_arguments(ap, layers=4, batch=16, seq=128, warmup=2, iters=6)
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "remat.json"))
     args = ap.parse_args(argv)
