@@ -364,6 +364,30 @@ def peak_measure():
     return "profiler", peak_allocated_bytes
 
 
+def least_window_peaks(rows, build) -> tuple[str, dict]:
+    """``(method, {row: bytes})``: each row built by ``build(row) -> (step, state)`` and
+    stepped twice, from nothing, inside a measured window (``peak_measure``), after
+    one warm-up build of every row outside it: one-time allocations (compiles,
+    DTensor's and gloo's caches) would otherwise land on whichever row runs first. The
+    least of three rounds: an allocation made once lands in a row's first window only."""
+    method, measure = peak_measure()
+    for row in rows:
+        warm_step, _ = build(row)
+        warm_step()
+        del warm_step
+    peaks: dict = {}
+    for _ in range(3):
+        for row in rows:
+            def window():
+                step, _ = build(row)
+                step()
+                step()
+            torch.distributed.barrier()
+            peak = measure(window)
+            peaks[row] = min(peak, peaks.get(row, peak))
+    return method, peaks
+
+
 def gpt_arguments(ap, *, layers: int = 2, batch: int = 8, seq: int = 64, warmup: int = 3,
                   iters: int = 20) -> None:
     """The GPT-shape, world and timing options the train-step benchmarks share."""

@@ -142,22 +142,8 @@ def _rank_main(a: dict) -> dict:
 
 
 def _memory(a: dict, spec: dict, world: int, rank: int) -> dict:
-    res: dict = {"peak_bytes": {}}
-    res["peak_method"], measure = M.peak_measure()
-    for row in a["rows"]:                   # a warm-up build of every row outside the window
-        warm_step, _ = _build(row, spec, world, rank)
-        warm_step()
-        del warm_step
-    for _ in range(3):
-        for row in a["rows"]:
-            def window():
-                step, _ = _build(row, spec, world, rank)
-                step()
-                step()
-            dist.barrier()
-            peak = measure(window)
-            res["peak_bytes"][row] = min(peak, res["peak_bytes"].get(row, peak))
-    return res
+    method, peaks = M.least_window_peaks(a["rows"], lambda row: _build(row, spec, world, rank))
+    return {"peak_method": method, "peak_bytes": peaks}
 
 
 def _time(a: dict, spec: dict, world: int, rank: int) -> dict:

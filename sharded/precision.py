@@ -170,11 +170,10 @@ class _CastInGrad(TorchFunctionMode):
         self.api = api
         self.cache: dict[tuple, tuple] = {}     # key -> (tensor, its cast): keeps ids unique
 
-    def _cast(self, x: Any) -> Any:
+    def _cast(self, x: Any, in_grad: bool) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
-        if self.joint and _torch.in_grad_transform() and (
-                _torch.is_grad_tracking(x) or id(x) in self.inputs):
+        if self.joint and in_grad and (_torch.is_grad_tracking(x) or id(x) in self.inputs):
             raise ValueError(
                 f"{self.api}: the function differentiates inside itself (torch.func.grad) "
                 f"and is called on tensors that require grad, so its forward cannot be told "
@@ -187,7 +186,7 @@ class _CastInGrad(TorchFunctionMode):
                 return x
             key: tuple = (id(x),)
         elif id(x) in self.inputs:
-            if not self.joint and not _torch.in_grad_transform():
+            if not self.joint and not in_grad:
                 return x
             key = (id(x), _torch.functorch_level())
         else:
@@ -202,7 +201,9 @@ class _CastInGrad(TorchFunctionMode):
         if not self.inputs or _not_a_use(func):
             return func(*args, **kwargs)
         if self.joint or _torch.functorch_level():
-            args, kwargs = optree.tree_map(self._cast, (args, kwargs), none_is_leaf=True)
+            in_grad = _torch.in_grad_transform()        # once per op, not per tensor
+            args, kwargs = optree.tree_map(lambda x: self._cast(x, in_grad), (args, kwargs),
+                                           none_is_leaf=True)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         self._derive((args, kwargs), out)

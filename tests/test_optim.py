@@ -12,9 +12,16 @@ def _problem():
     return params, grads
 
 
-def _reference(opt_cls, params, grads, **kw):
+def _reference(opt_cls, params, grads, decayed=None, **kw):
+    """torch.optim's steps on ``grads``; with ``decayed``, two param groups: weight
+    decay on those leaves only."""
     ps = {k: v.clone().requires_grad_() for k, v in params.items()}
-    opt = opt_cls(ps.values(), foreach=False, **kw)
+    groups = list(ps.values())
+    if decayed is not None:
+        wd = kw.pop("weight_decay")
+        groups = [{"params": [ps[k] for k in ps if k in decayed], "weight_decay": wd},
+                  {"params": [ps[k] for k in ps if k not in decayed], "weight_decay": 0.0}]
+    opt = opt_cls(groups, foreach=False, **kw)
     for g in grads:
         for k in ps:
             ps[k].grad = g[k].clone()
@@ -174,20 +181,6 @@ def test_sgd_takes_tensor_lr_and_weight_decay():
 
 # -- weight-decay masks ----------------------------------------------------------------------------
 
-def _two_groups(params, grads, decayed, opt_cls=torch.optim.AdamW, **kw):
-    """torch.optim with two param groups: weight decay on ``decayed`` only."""
-    ps = {k: v.clone().requires_grad_() for k, v in params.items()}
-    wd = kw.pop("weight_decay")
-    opt = opt_cls([{"params": [ps[k] for k in ps if k in decayed], "weight_decay": wd},
-                   {"params": [ps[k] for k in ps if k not in decayed], "weight_decay": 0.0}],
-                  foreach=False, **kw)
-    for g in grads:
-        for k in ps:
-            ps[k].grad = g[k].clone()
-        opt.step()
-    return {k: v.detach() for k, v in ps.items()}
-
-
 def test_weight_decay_masks_match_two_param_groups():
     """A predicate on (dotted path, leaf) and a pytree of bools pick the same leaves;
     fused kernel (one dtype) and foreach ops (tensor weight decay) both equal
@@ -198,8 +191,8 @@ def test_weight_decay_masks_match_two_param_groups():
     flat = {"blocks.0.w": params["blocks"][0]["w"], "blocks.0.ln": params["blocks"][0]["ln"],
             "head": params["head"], "bias": params["bias"]}
     steps = [optree_like(params, g) for _ in range(3)]
-    ref = _two_groups(flat, [_flatten(s) for s in steps], {"blocks.0.w", "head"},
-                      lr=1e-2, weight_decay=0.3)
+    ref = _reference(torch.optim.AdamW, flat, [_flatten(s) for s in steps],
+                     {"blocks.0.w", "head"}, lr=1e-2, weight_decay=0.3)
     seen = []
 
     def predicate(name, p):
@@ -213,8 +206,8 @@ def test_weight_decay_masks_match_two_param_groups():
             p, s = adamw(p, gr, s, lr=1e-2, weight_decay=wd, mask=mask)
         torch.testing.assert_close(_flatten(p), ref)
     assert seen[:4] == ["bias", "blocks.0.ln", "blocks.0.w", "head"]    # optree's key order
-    sgd_ref = _two_groups(flat, [_flatten(s) for s in steps], {"blocks.0.w", "head"},
-                          opt_cls=torch.optim.SGD, lr=0.1, weight_decay=0.3)
+    sgd_ref = _reference(torch.optim.SGD, flat, [_flatten(s) for s in steps],
+                         {"blocks.0.w", "head"}, lr=0.1, weight_decay=0.3)
     p = params
     for gr in steps:
         p, _ = sgd(p, gr, lr=0.1, weight_decay=0.3, mask=predicate)
