@@ -1,0 +1,388 @@
+"""Per-rank action orders of pipeline schedules, their check, a simulator and theory.
+
+An order maps each rank to the compute actions it runs, in run order: ``Action("F",
+stage, mb)`` (forward of micro-batch ``mb`` through ``stage``) and ``Action("B", stage,
+mb)`` (its full backward). There are ``n_stages = n_ranks * virtual`` stages and stage
+``s`` lives on rank ``s % n_ranks`` (torch's looped placement,
+``generate_stage_to_rank_mapping(style="loop")``).
+
+The orders are those of ``torch.distributed.pipelining`` (torch 2.13): GPipe,
+Interleaved1F1B and LoopedBFS are read from torch's tables; 1F1B is the order torch's
+runtime ``Schedule1F1B._step_microbatches`` executes (its table is wrong, see
+:func:`_one_f_one_b`). Every order is checked by :func:`check` before it is returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+
+# torch's class names, accepted by normalize()
+_TORCH_NAMES = {
+    "ScheduleGPipe": "GPipe",
+    "Schedule1F1B": "1F1B",
+    "ScheduleInterleaved1F1B": "Interleaved1F1B",
+    "ScheduleLoopedBFS": "LoopedBFS",
+}
+_BY_LOWER = {n.lower(): n for n in SCHEDULES} | {k.lower(): v for k, v in _TORCH_NAMES.items()}
+_MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS")
+
+
+class Action(NamedTuple):
+    """One compute slot: ``kind`` "F" (forward) or "B" (full backward) of micro-batch
+    ``mb`` through ``stage``."""
+
+    kind: str
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.stage}.{self.mb}"
+
+
+Order = dict[int, list[Action]]
+
+
+class Transfer(NamedTuple):
+    """One item of a rank's run: kind "recv F", "F", "send F", "recv B", "B" or
+    "send B" for ``(stage, mb)``; ``peer`` is the other rank of a send/receive, None for
+    compute."""
+
+    kind: str
+    stage: int
+    mb: int
+    peer: int | None
+
+
+@dataclasses.dataclass
+class Timeline:
+    """A simulated run: per-rank ``slots`` of ``(action, start, end)``, the
+    ``makespan``, each rank's busy time, its idle fraction ``1 - busy / makespan`` and
+    ``bubble``, the mean idle fraction over ranks."""
+
+    makespan: float
+    per_rank_busy: dict[int, float]
+    idle_fraction: dict[int, float]
+    bubble: float
+    slots: dict[int, list[tuple[Action, float, float]]]
+
+
+def normalize(name: str) -> str:
+    """The canonical name (one of ``SCHEDULES``) of a schedule named case-insensitively
+    by it or by torch's class name (``ScheduleInterleaved1F1B``); ValueError otherwise."""
+    canonical = _BY_LOWER.get(name.lower()) if isinstance(name, str) else None
+    if canonical is None:
+        raise ValueError(
+            f"unknown pipeline schedule {name!r}; accepted (case-insensitive): "
+            f"{', '.join(SCHEDULES)} or torch's {', '.join(_TORCH_NAMES)}")
+    return canonical
+
+
+def _owner(stage: int, n_ranks: int) -> int:
+    return stage % n_ranks
+
+
+def _validate_sizes(schedule: str, n_ranks: int, n_microbatches: int, virtual: int) -> None:
+    for arg, value in (("n_ranks", n_ranks), ("n_microbatches", n_microbatches),
+                       ("virtual", virtual)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{schedule}: {arg} must be an int >= 1, got {value!r}")
+    if virtual != 1 and schedule not in _MULTI_STAGE:
+        raise ValueError(
+            f"{schedule} runs one stage per rank, so virtual must be 1 (got {virtual}); "
+            f"schedules with several stages per rank (virtual >= 1): {', '.join(_MULTI_STAGE)}")
+
+
+def order(schedule: str, n_ranks: int, n_microbatches: int, virtual: int = 1) -> Order:
+    """Each rank's compute actions, in run order, for ``schedule`` on ``n_ranks`` ranks
+    with ``n_microbatches`` micro-batches and ``virtual`` stages per rank (checked by
+    :func:`check`)."""
+    name = normalize(schedule)
+    _validate_sizes(name, n_ranks, n_microbatches, virtual)
+    if name == "1F1B":
+        result = _one_f_one_b(n_ranks, n_microbatches)
+    else:
+        table = _torch_pipeline_order(name, n_ranks, n_microbatches, virtual)
+        result = {rank: [a for a in table.get(rank, []) if a is not None]
+                  for rank in range(n_ranks)}
+    check(result, n_ranks, n_microbatches, virtual)
+    return result
+
+
+def _one_f_one_b(n_ranks: int, n_microbatches: int) -> Order:
+    """1F1B as torch's runtime ``Schedule1F1B._step_microbatches`` runs it: stage ``s``
+    does ``min(m, n_stages - s)`` warm-up forwards, then "1B1F" (one backward, then one
+    forward while forwards remain), then the remaining backwards.
+
+    Not torch's ``Schedule1F1B._get_pipeline_order()`` (torch 2.13): with no warm-up
+    forward (``num_forward = p - 1 - rank`` is 0 on the last rank) its ``forward_mb``
+    stays 0 and is incremented before its first use, so the last rank's table starts at
+    F1 and ends at F{m} (p=2, m=4, rank 1: 1F1 1B0 1F2 1B1 1F3 1B2 1F4 1B3), missing
+    F0 and naming a micro-batch that does not exist. The runtime has no such bug.
+    """
+    result: Order = {}
+    for stage in range(n_ranks):
+        warmup = min(n_microbatches, n_ranks - stage)
+        actions = [Action("F", stage, mb) for mb in range(warmup)]
+        fwd, bwd = warmup, 0
+        while True:  # 1B1F
+            actions.append(Action("B", stage, bwd))
+            bwd += 1
+            if fwd == n_microbatches:
+                break
+            actions.append(Action("F", stage, fwd))
+            fwd += 1
+        actions += [Action("B", stage, mb) for mb in range(bwd, n_microbatches)]
+        result[stage] = actions
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# PRIVATE TORCH ACCESS: everything below down to the next rule reads torch's schedule
+# tables through private API (the ``pipeline_order`` attribute, ``_get_pipeline_order``,
+# ``_Action``'s fields, ``_ComputationType``) and builds torch schedules around stand-in
+# stage objects. It is meant to move to ``sharded/_torch.py``.
+# ---------------------------------------------------------------------------------------
+
+
+def _torch_pipeline_order(schedule: str, n_ranks: int, n_microbatches: int,
+                          virtual: int) -> dict[int, list[Action | None]]:
+    """torch's compute table for ``schedule`` (any of ``SCHEDULES``) as
+    :class:`Action` lists; ``None`` marks an idle slot or a non-compute action."""
+    from torch.distributed.pipelining import schedules as ts
+
+    n_stages = n_ranks * virtual
+
+    def stand_in(stage_index: int) -> Any:
+        return types.SimpleNamespace(
+            num_stages=n_stages, group_size=n_ranks, group_rank=0, stage_index=stage_index,
+            is_first=stage_index == 0, is_last=stage_index == n_stages - 1,
+            stage_index_to_group_rank=None)
+
+    table: Mapping[int, Sequence[Any]]
+    if schedule in ("GPipe", "1F1B"):
+        # the table (one "rank" per stage) is built from num_stages alone; 1F1B's table is
+        # wrong (see _one_f_one_b): order() does not use it, the tests show how it is wrong
+        single = ts.ScheduleGPipe if schedule == "GPipe" else ts.Schedule1F1B
+        table = single(stand_in(0), n_microbatches)._get_pipeline_order() or {}
+    else:
+        cls: Callable[..., Any] = (ts.ScheduleInterleaved1F1B
+                                   if schedule == "Interleaved1F1B" else ts.ScheduleLoopedBFS)
+        # torch computes every rank's list in each instance: rank 0's stages suffice
+        stages = [stand_in(n_ranks * i) for i in range(virtual)]
+        try:
+            table = cls(stages, n_microbatches).pipeline_order
+        except ValueError as exc:
+            rounds = max(1, n_microbatches // n_ranks)
+            works = [m for m in range(1, 4 * n_ranks + 1)
+                     if m % max(1, m // n_ranks) == 0]
+            raise ValueError(
+                f"{schedule} with n_ranks={n_ranks}, n_microbatches={n_microbatches}: "
+                f"torch needs n_microbatches to be a multiple of its number of rounds "
+                f"max(1, n_microbatches // n_ranks) = {rounds}; that holds for any "
+                f"n_microbatches below {2 * n_ranks} and any multiple of n_ranks (up to "
+                f"{4 * n_ranks}: {works}). torch said: {exc}") from exc
+    kinds = {ts._ComputationType.FORWARD: "F", ts._ComputationType.FULL_BACKWARD: "B"}
+    result: dict[int, list[Action | None]] = {}
+    for rank, actions in table.items():
+        row: list[Action | None] = []
+        for a in actions:
+            kind = None if a is None else kinds.get(a.computation_type)
+            if a is None or kind is None or a.microbatch_index is None:
+                row.append(None)
+            else:
+                row.append(Action(kind, a.stage_index, a.microbatch_index))
+        result[rank] = row
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# end of private torch access
+# ---------------------------------------------------------------------------------------
+
+
+def _deps(action: Action, n_stages: int) -> list[Action]:
+    """The actions ``action`` waits for: F(s, mb) on F(s-1, mb); B(s, mb) on F(s, mb) and
+    B(s+1, mb) (none past the last stage)."""
+    kind, s, mb = action
+    if kind == "F":
+        return [Action("F", s - 1, mb)] if s > 0 else []
+    deps = [Action("F", s, mb)]
+    if s < n_stages - 1:
+        deps.append(Action("B", s + 1, mb))
+    return deps
+
+
+def check(order: Mapping[int, Sequence[Action]], n_ranks: int, n_microbatches: int,
+          virtual: int) -> None:
+    """Raise RuntimeError unless every F and B of every (stage, mb) appears exactly once,
+    on the rank that owns the stage, and the ranks, each running its list in order,
+    finish without deadlock (the message names each stuck rank and what it waits on)."""
+    n_stages = n_ranks * virtual
+    if set(order) != set(range(n_ranks)):
+        raise RuntimeError(f"order has ranks {sorted(order)}, expected 0..{n_ranks - 1}")
+    seen: dict[Action, int] = {}
+    for rank, actions in order.items():
+        for a in actions:
+            if (not isinstance(a, tuple) or len(a) != 3 or a[0] not in ("F", "B")
+                    or not 0 <= a[1] < n_stages or not 0 <= a[2] < n_microbatches):
+                raise RuntimeError(
+                    f"rank {rank}: {a!r} is not an F/B action of a stage in 0..{n_stages - 1} "
+                    f"and a micro-batch in 0..{n_microbatches - 1}")
+            a = Action(*a)
+            if _owner(a.stage, n_ranks) != rank:
+                raise RuntimeError(f"rank {rank} runs {a}, but stage {a.stage} lives on "
+                                   f"rank {_owner(a.stage, n_ranks)}")
+            if a in seen:
+                raise RuntimeError(f"{a} appears twice (rank {rank})")
+            seen[a] = rank
+    missing = [Action(k, s, mb) for k in "FB" for s in range(n_stages)
+               for mb in range(n_microbatches) if Action(k, s, mb) not in seen]
+    if missing:
+        raise RuntimeError(f"order misses {len(missing)} action(s): "
+                           f"{' '.join(map(str, missing[:10]))}")
+    _run(order, n_stages, lambda a, r: 0.0, lambda dep, r: 0.0)
+
+
+def _run(order: Mapping[int, Sequence[Action]], n_stages: int,
+         cost: Callable[[Action, int], float],
+         link: Callable[[Action, int], float]) -> dict[int, list[tuple[Action, float, float]]]:
+    """Run each rank's list in order; an action starts when its rank is free and each
+    dependency has ended (plus ``link(dep, rank)``). RuntimeError on deadlock."""
+    done: dict[Action, float] = {}
+    pos = {rank: 0 for rank in order}
+    free = {rank: 0.0 for rank in order}
+    slots: dict[int, list[tuple[Action, float, float]]] = {rank: [] for rank in order}
+    remaining = sum(len(v) for v in order.values())
+    while remaining:
+        progressed = False
+        for rank, actions in order.items():
+            while pos[rank] < len(actions):
+                a = Action(*actions[pos[rank]])
+                deps = _deps(a, n_stages)
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[rank]] + [done[d] + link(d, rank) for d in deps])
+                end = start + cost(a, rank)
+                done[a] = end
+                free[rank] = end
+                slots[rank].append((a, start, end))
+                pos[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            waits = []
+            for rank, actions in order.items():
+                if pos[rank] < len(actions):
+                    a = Action(*actions[pos[rank]])
+                    need = [str(d) for d in _deps(a, n_stages) if d not in done]
+                    waits.append(f"rank {rank} at {a} waits for {', '.join(need)}")
+            raise RuntimeError("pipeline order deadlocks: " + "; ".join(waits))
+    return slots
+
+
+def simulate(order: Mapping[int, Sequence[Action]], n_ranks: int, n_microbatches: int,
+             virtual: int, f_cost: float = 1.0, b_cost: float = 2.0,
+             p2p_cost: float = 0.0) -> Timeline:
+    """Event-driven run of ``order``: each action takes ``f_cost`` or ``b_cost`` and
+    starts at the latest of its rank being free and each dependency's end (plus
+    ``p2p_cost`` when the dependency ran on another rank)."""
+    check(order, n_ranks, n_microbatches, virtual)
+    slots = _run(
+        order, n_ranks * virtual,
+        lambda a, r: f_cost if a.kind == "F" else b_cost,
+        lambda dep, r: p2p_cost if _owner(dep.stage, n_ranks) != r else 0.0)
+    makespan = max((end for s in slots.values() for _, _, end in s), default=0.0)
+    busy = {r: sum(end - start for _, start, end in s) for r, s in slots.items()}
+    idle = {r: (1.0 - b / makespan) if makespan > 0 else 0.0 for r, b in busy.items()}
+    bubble = sum(idle.values()) / len(idle) if idle else 0.0
+    return Timeline(makespan, busy, idle, bubble, slots)
+
+
+def theory_bubble(schedule: str, n_ranks: int, n_microbatches: int, virtual: int = 1) -> float:
+    """The idle fraction of each rank by the usual analysis, with p = n_ranks, m =
+    n_microbatches, v = virtual: (p-1)/(m+p-1) for GPipe and 1F1B; (p-1)/(v*m+p-1) for
+    Interleaved1F1B and LoopedBFS.
+
+    The fill and drain take (p-1) stage-steps of forward plus backward on every rank and
+    the work is m (GPipe, 1F1B) or v*m (v stages a rank, each 1/v of the model) of them.
+    Interleaved1F1B: Narayanan et al. 2021 (arXiv 2104.04473, section 2.2.2), bubble
+    time fraction (p-1)/(v*m) of the work, i.e. (p-1)/(v*m+p-1) of the makespan.
+    LoopedBFS: Lamy-Poirier 2022 (arXiv 2211.05953) gives breadth-first the same bubble
+    as depth-first (interleaved) looping; both formulas assume m >= p for v > 1 (with
+    m < p a rank also idles between its loops, which this formula leaves out).
+    """
+    name = normalize(schedule)
+    _validate_sizes(name, n_ranks, n_microbatches, virtual)
+    p, m, v = n_ranks, n_microbatches, virtual
+    return (p - 1) / (v * m + p - 1)
+
+
+def format_order(order: Mapping[int, Sequence[Action]]) -> str:
+    """One line per rank: ``rank 0: F0.0 F0.1 B0.0 ...`` (kind, stage.mb)."""
+    return "\n".join(f"rank {rank}: " + " ".join(str(Action(*a)) for a in order[rank])
+                     for rank in sorted(order))
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def format_timeline(timeline: Timeline) -> str:
+    """One line per rank, its slots in time order as ``F0.1[1-2]`` with idle gaps as
+    ``.(2)``, then the makespan and bubble."""
+    lines = []
+    for rank in sorted(timeline.slots):
+        items, t = [], 0.0
+        for a, start, end in timeline.slots[rank]:
+            if start > t:
+                items.append(f".({_num(start - t)})")
+            items.append(f"{a}[{_num(start)}-{_num(end)}]")
+            t = end
+        if timeline.makespan > t:
+            items.append(f".({_num(timeline.makespan - t)})")
+        lines.append(f"rank {rank}: " + " ".join(items)
+                     + f"  idle {timeline.idle_fraction[rank]:.3f}")
+    lines.append(f"makespan {_num(timeline.makespan)}, bubble {timeline.bubble:.4f}")
+    return "\n".join(lines)
+
+
+def transfers(order: Mapping[int, Sequence[Action]], n_ranks: int,
+              virtual: int) -> dict[int, list[Transfer]]:
+    """Each rank's run in order with its point-to-point traffic: "recv F" from the
+    previous stage's rank before an F, "send F" to the next stage's rank after it;
+    "recv B" from the next stage's rank before a B, "send B" to the previous stage's
+    rank after it (only where the neighbour stage lives on another rank)."""
+    n_stages = n_ranks * virtual
+    result: dict[int, list[Transfer]] = {}
+    for rank in sorted(order):
+        items: list[Transfer] = []
+        for a in order[rank]:
+            kind, s, mb = a
+            src, dst = (s - 1, s + 1) if kind == "F" else (s + 1, s - 1)
+            if 0 <= src < n_stages and _owner(src, n_ranks) != rank:
+                items.append(Transfer(f"recv {kind}", s, mb, _owner(src, n_ranks)))
+            items.append(Transfer(kind, s, mb, None))
+            if 0 <= dst < n_stages and _owner(dst, n_ranks) != rank:
+                items.append(Transfer(f"send {kind}", s, mb, _owner(dst, n_ranks)))
+        result[rank] = items
+    return result
+
+
+def format_transfers(listing: Mapping[int, Sequence[Transfer]]) -> str:
+    """One line per rank, e.g. ``rank 1: recv F1.0<-r0 F1.0 send F1.0->r2 ...``."""
+    lines = []
+    for rank in sorted(listing):
+        items = []
+        for t in listing[rank]:
+            if t.peer is None:
+                items.append(f"{t.kind}{t.stage}.{t.mb}")
+            else:
+                arrow = "<-" if t.kind.startswith("recv") else "->"
+                items.append(f"{t.kind}{t.stage}.{t.mb}{arrow}r{t.peer}")
+        lines.append(f"rank {rank}: " + " ".join(items))
+    return "\n".join(lines)
