@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from sharded import _torch, _tree
 from sharded._fingerprint import ambient
-from sharded.mesh import Mesh
+from sharded.mesh import Mesh, slice_of
 from sharded.spec import P, check_spec, to_placements
 
 
@@ -521,7 +521,7 @@ def tensor_inputs(arguments: Arguments, sig: Signature, args: tuple) -> TensorIn
         x = _torch.functorch_base(x)       # under torch.func.grad: the tensor it wraps
         spec = P() if spec is None else spec
         check_spec(spec, x.shape, mesh, f"{spath} (for {apath})")
-        check_on_mesh(x, mesh, apath, arguments.name)
+        check_on_mesh(x, mesh, apath, arguments.name, stage_slices=True)
         out.specs.append(spec)
         out.placements.append(to_placements(spec, mesh))
         out.metas.append(x)
@@ -529,11 +529,22 @@ def tensor_inputs(arguments: Arguments, sig: Signature, args: tuple) -> TensorIn
     return out
 
 
-def check_on_mesh(x, mesh, path: str, api: str, kind: str = "pjit") -> None:
+def check_on_mesh(x, mesh, path: str, api: str, kind: str = "pjit", *,
+                  stage_slices: bool = False) -> None:
     """A DTensor input must live on the program's mesh (``kind``: whose mesh, for the
-    message: "pjit" or "shard_map")."""
+    message: "pjit" or "shard_map"), or with ``stage_slices`` on one pipeline stage's
+    slice of it (NOTE [Stage slices] in sharded/mesh.py)."""
     if isinstance(x, DTensor) and x.device_mesh is not mesh.device_mesh \
             and x.device_mesh != mesh.device_mesh:
+        found = slice_of(x.device_mesh)
+        if found is not None and found[0] is mesh:
+            if stage_slices:
+                return
+            raise ValueError(
+                f"{api}: {path} lives on pipeline stage {found[2]}'s ranks only (a DTensor "
+                f"on the {found[1]!r}={found[2]} slice of {mesh}), which only a pipelined "
+                f"step over {found[1]!r} takes; gather it (dtensor.full_tensor() on its "
+                f"ranks) to use it elsewhere.")
         raise ValueError(
             f"{api}: {path} is a DTensor on {x.device_mesh}, not on the {kind} mesh {mesh}; "
             f"gather it and shard it onto this mesh."

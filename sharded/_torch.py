@@ -743,6 +743,15 @@ def donated_message(dt: DTensor) -> str | None:
 _ABSTRACT_IDS = iter(range(-1, -(2 ** 62), -1))
 
 
+def device_mesh_without_groups(device_type: str, grid: torch.Tensor, names, rank: int):
+    """A DeviceMesh over ``grid``'s ranks with no process groups (NOTE [Stage slices] in
+    sharded/mesh.py): DTensors on it hold empty local tensors on the other ranks."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(device_type, grid, mesh_dim_names=tuple(names), _init_backend=False,
+                      _rank=rank)
+
+
 def abstract_device_mesh(shape, axis_names, rank: int, device_type: str):
     from torch.distributed.device_mesh import DeviceMesh
 

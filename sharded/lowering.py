@@ -38,6 +38,7 @@ from sharded.mesh import mesh_device
 from sharded.modes import ParallelMode
 from sharded.modes.base import run_passes
 from sharded.passes import fingerprint, unalias_outputs
+from sharded.pipelining._lower import build_pipelined, is_pipelined
 from sharded.random.rewrite import rewrite_random_ops
 from sharded._remat import rematerialize_program
 from sharded.rewrites.losses import mean_losses_as_sums
@@ -58,13 +59,16 @@ class LocalProgram:
 
 def lower_graph(gm: fx.GraphModule, mode: ParallelMode, mesh, in_placements: list,
                 out_specs: list, *, name: str, n_out: int | None = None,
-                donated: Sequence[int] = (), agreement_point: bool = False) -> LocalProgram:
+                donated: Sequence[int] = (), agreement_point: bool = False,
+                passes: bool = True) -> LocalProgram:
     """Rewrite, partition and pass ``gm`` (placeholders named by ``meta[META_PATH]``).
     ``out_specs``: a P or None per output (None: the mode decides); ``n_out``: the
     outputs that are the user's (the rest are residuals for a backward); ``donated``:
     indices of the inputs whose storage the program may write (NOTE [Donation] in
     sharded/_program.py); ``agreement_point``: check the call's asynchronous agreement
-    inside the program (NOTE [The agreement overlaps the program] in sharded/sync.py)."""
+    inside the program (NOTE [The agreement overlaps the program] in sharded/sync.py);
+    ``passes=False``: stop after the partition (a pipelined step runs the passes on
+    each of its pieces: sharded/pipelining/_lower.py)."""
     # -- rewrites (pre-partition: they change the global program) ----------------
     n_draws = rewrite_random_ops(gm, name)
     # after the random rewrite: a recomputed draw is the same draw (sharded/_remat.py)
@@ -89,7 +93,8 @@ def lower_graph(gm: fx.GraphModule, mode: ParallelMode, mesh, in_placements: lis
         local_placeholders[k].meta[META_DONATED] = True
 
     t1 = time.perf_counter()
-    local = passes_and_finalize(part.graph, mode, mesh, n_out, agreement_point)
+    local = passes_and_finalize(part.graph, mode, mesh, n_out, agreement_point) if passes \
+        else part.graph
     got = list(part.in_placements) if part.in_placements is not None else None
     return LocalProgram(local, got, list(part.out_placements), part.layouts, n_draws,
                         {"partition": t1 - t0, "passes": time.perf_counter() - t1})
@@ -145,6 +150,10 @@ def build_forward(arguments: Arguments, mode: ParallelMode, sig: Signature, args
             f"its buffers in place (BatchNorm) needs them cloned inside the function "
             f"and returned (docs/concepts.md, 'Module state')."
         )
+    if is_pipelined(global_gm):            # pipeline(loss_fn) inside: docs/pipeline.md
+        return build_pipelined(arguments=arguments, mode=mode, sig=sig, args=args,
+                               run_state=run_state, global_gm=global_gm, inp=inp,
+                               out_info=out_info, trace_s=trace_s)
     joint = global_gm.meta.get("joint")
     backward_gm = None
     if joint is not None:          # NOTE [pjit under autograd]

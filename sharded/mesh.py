@@ -397,3 +397,47 @@ def _default_device_type() -> str:
     if torch.cuda.is_available() and "nccl" in str(dist.get_backend()):
         return "cuda"
     return "cpu"
+
+
+# NOTE [Stage slices]
+# A pipeline stage's state lives on the ranks of one coordinate of the pipeline axis:
+# a DTensor on the slice of the mesh at that coordinate (the other axes). On the
+# slice's own ranks it is the mesh's sub-DeviceMesh (its process groups); on every
+# other rank a DeviceMesh over the same ranks without process groups, on which the
+# DTensor holds an empty local tensor (DTensor's rule for a rank outside the mesh).
+# One object per (mesh, axis, coordinate), so DTensors of one stage compare equal.
+_SLICES: dict[tuple, DeviceMesh] = {}
+_SLICE_OF: "weakref.WeakValueDictionary[int, Mesh]" = weakref.WeakValueDictionary()
+_SLICE_INFO: dict[int, tuple[str, int]] = {}
+
+
+def stage_slice(mesh: Mesh, axis: str, coord: int) -> DeviceMesh:
+    """The DeviceMesh of ``mesh`` at coordinate ``coord`` of ``axis`` (NOTE [Stage
+    slices]); a mesh of one axis gives a one-rank slice named ``axis + "_stage"``."""
+    key = (id(mesh), axis, coord)
+    with _LOCK:
+        found = _SLICES.get(key)
+        if found is not None:
+            return found
+        d = mesh.axis_names.index(axis)
+        rest = tuple(a for a in mesh.axis_names if a != axis)
+        grid = mesh.device_mesh.mesh.select(d, coord)
+        mine = mesh.coordinate()[d] == coord if not mesh.is_abstract else False
+        if rest and mine:
+            dm = mesh.device_mesh[rest]
+        else:
+            names = rest or (f"{axis}_stage",)
+            grid = grid if rest else grid.reshape(1)
+            dm = _torch.device_mesh_without_groups(mesh.device_type, grid, names, mesh.rank)
+        _SLICES[key] = dm
+        _SLICE_OF[id(dm)] = mesh
+        _SLICE_INFO[id(dm)] = (axis, coord)
+        return dm
+
+
+def slice_of(device_mesh) -> tuple[Mesh, str, int] | None:
+    """(mesh, axis, coordinate) if ``device_mesh`` is a stage slice (``stage_slice``)."""
+    mesh = _SLICE_OF.get(id(device_mesh))
+    if mesh is None or _SLICES.get((id(mesh), *_SLICE_INFO[id(device_mesh)])) is not device_mesh:
+        return None
+    return (mesh, *_SLICE_INFO[id(device_mesh)])

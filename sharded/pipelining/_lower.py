@@ -1,0 +1,224 @@
+"""The lowering of a pipelined train step and its program type.
+
+A step that calls ``pipeline(loss_fn, ...)`` is traced and partitioned as any step
+(the pipeline axis replicated: sharded/lowering.py), then cut into pieces
+(NOTE [Pipeline pieces] in sharded/pipelining/_split.py); each piece gets the mode's
+passes and runner, and ``PipelinedForward`` runs this rank's pieces in the schedule's
+order (sharded/pipelining/_runtime.py). Inputs are taken only where a piece on this
+rank reads them; a stage's outputs come back as DTensors on that stage's slice of the
+mesh (NOTE [Stage slices] in sharded/mesh.py), scalars (the loss) on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, Replicate
+
+from sharded import _torch, sync
+from sharded._arguments import check_on_mesh
+from sharded._fingerprint import program_lines
+from sharded._program import Forward, local_input
+from sharded._registry import META_PATH
+from sharded.mesh import mesh_device, slice_of, stage_slice
+from sharded.pipelining import _markers as M, _schedules
+from sharded.pipelining._api import PipelineConfig
+from sharded.pipelining._runtime import Plan, PipelineRunner, pieces_text
+from sharded.pipelining._split import MB, PipelineError, split_program
+from sharded.spec import local_slice
+
+
+def is_pipelined(gm: fx.GraphModule) -> bool:
+    return bool(gm.graph.find_nodes(op="call_function", target=M.OUTPUT))
+
+
+def config_of(gm: fx.GraphModule) -> PipelineConfig:
+    node = gm.graph.find_nodes(op="call_function", target=M.OUTPUT)[0]
+    return PipelineConfig.parse(node.args[1])
+
+
+def check_mesh(config: PipelineConfig, mesh, in_paths, in_placements, name: str) -> None:
+    """The pipeline axis is on the mesh, and no input is laid out over it (the pipeline
+    places state by stage)."""
+    if config.axis not in mesh.axis_names:
+        raise PipelineError(
+            f"{name}: pipeline(..., axis={config.axis!r}) but the mesh {mesh} has no axis "
+            f"{config.axis!r}; add it (Mesh((2, ...), ({config.axis!r}, ...))).")
+    d = mesh.axis_names.index(config.axis)
+    for path, pl in zip(in_paths, in_placements):
+        if pl is not None and not isinstance(pl[d], Replicate):
+            raise PipelineError(
+                f"{name}: in_specs for {path} lay it out over the pipeline axis "
+                f"{config.axis!r} ({pl[d]}); the pipeline places each stage's state on its "
+                f"ranks itself: leave {config.axis!r} out of the specs.")
+
+
+@dataclass(eq=False, kw_only=True)
+class PipelinedForward(Forward):
+    """A pipelined step's program: this rank's pieces, its schedule, and where each
+    input and output lives."""
+
+    split: Any = None
+    order: dict = field(default_factory=dict)
+    pp_axis: str = "pp"
+    pp_rank: int = 0
+    needed: list = field(default_factory=list)      # per tensor input: read on this rank
+    out_owner: list = field(default_factory=list)   # per tensor output: stage coordinate or None
+    stage_specs: list = field(default_factory=list)  # per tensor output: DTensorSpec on its slice
+    draws_per_call: int = 0
+
+    def outcome(self, leaves: list) -> sync.Outcome:
+        plain = [i for i, (leaf, pl) in enumerate(zip(leaves, self.in_plan))
+                 if pl is not None and isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor)]
+        for i, (leaf, pl) in enumerate(zip(leaves, self.in_plan)):
+            if pl is not None and isinstance(leaf, DTensor):
+                check_on_mesh(leaf, self.mesh, self.in_paths[i], self.name, stage_slices=True)
+        return self.steady_outcome(plain, leaves)
+
+    def random_state(self):
+        from sharded import random as srandom
+        return srandom._call_state() if self.draws_per_call else None
+
+    def run(self, leaves: list, shards: list | None = None,
+            agreement: sync.Agreement | None = None) -> Any:
+        sync.agreed(agreement)          # (the pipeline's first message may come early)
+        locals_: list = []
+        k = 0
+        d = self.mesh.axis_names.index(self.pp_axis)
+        for leaf, pl in zip(leaves, self.in_plan):
+            if pl is None:
+                continue
+            if not self.needed[k]:
+                locals_.append(None)
+            elif isinstance(leaf, DTensor) and slice_of(leaf.device_mesh) is not None:
+                want = tuple(p for j, p in enumerate(pl) if j != d) or (Replicate(),)
+                if tuple(leaf.placements) != want:
+                    leaf = leaf.redistribute(leaf.device_mesh, want)
+                t = _torch.local_tensor(leaf)
+                locals_.append((t.detach() if t.requires_grad else t).contiguous())
+            elif isinstance(leaf, DTensor):
+                locals_.append(local_input(leaf, pl, self.mesh))
+            else:
+                locals_.append(local_slice(leaf.detach() if leaf.requires_grad else leaf, pl, self.mesh))
+            k += 1
+        if self.draws_per_call:
+            from sharded import random as srandom
+            locals_.extend(srandom._take(self.draws_per_call, self.rng_device))
+        outs = self.runner(*locals_)
+        wrapped = []
+        for o, owner, spec, stage_spec in zip(outs, self.out_owner, self.out_dtensor_specs,
+                                              self.stage_specs):
+            if owner is None:
+                wrapped.append(_torch.make_dtensor(o, spec))
+            else:
+                if o is None:
+                    o = torch.empty(0, dtype=spec.tensor_meta.dtype, device=mesh_device(self.mesh))
+                wrapped.append(_torch.make_dtensor(o, stage_spec))
+        return self.outputs(wrapped)
+
+
+def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.GraphModule,
+                    inp, out_info: dict, trace_s: float) -> PipelinedForward:
+    """The pipelined counterpart of ``lowering.build_forward`` (after the trace)."""
+    from sharded.lowering import _dtensor_spec, lower_graph, passes_and_finalize
+
+    name, mesh = arguments.name, sig.mesh
+    config = config_of(global_gm)
+    if global_gm.meta.get("joint") is not None:
+        raise PipelineError(
+            f"{name}: a pipelined step is differentiated inside (torch.func.grad of "
+            f"pipeline(loss_fn)); calling it on inputs that require grad, or under "
+            f"torch.func.grad from outside, is not supported. Pass detached tensors.")
+    check_mesh(config, mesh, inp.paths, inp.placements, name)
+    if arguments.donated_leaves(args, sig.static_argnums, inp.dyn_kw, sig.leaves):
+        raise PipelineError(f"{name}: donate_argnums/donate_argnames are not supported with "
+                            f"a pipelined step yet; leave them out.")
+    out_leaves, out_treedef = out_info["leaves"], out_info["treedef"]
+    out_specs = arguments.out_leaf_specs(out_leaves, out_treedef, mesh)
+    for node, path in zip(global_gm.graph.find_nodes(op="placeholder"), inp.paths):
+        node.meta[META_PATH] = path
+    global_text = program_lines(global_gm)
+    low = lower_graph(global_gm, mode, mesh, inp.placements, out_specs, name=name,
+                      passes=False)
+    local = low.graph
+    n_ranks = mesh.size(config.axis)
+    d = mesh.axis_names.index(config.axis)
+    pp_rank = (mesh.coordinate()[d] if not mesh.is_abstract else
+               int((mesh.device_mesh.mesh == mesh.rank).nonzero()[0][d]))
+    order = _schedules.order(config.schedule, n_ranks, config.microbatches, config.virtual)
+    split = split_program(local, n_ranks, pp_rank)
+    # each piece: the mode's passes (and no output shares storage with another:
+    # the runtime keeps them apart)
+    runners = {}
+    for piece in [*split.F.values(), *split.B.values(), split.pre, *split.tail]:
+        if piece is None:
+            continue
+        piece.graph = passes_and_finalize(piece.graph, mode, mesh, 0, False)
+        runners[piece.name] = mode.runner(piece.graph, f"{name} {piece.name}", mesh,
+                                          run_state(("pipeline", piece.name)))
+    nodes = {n.name: n for n in local.graph.nodes}
+    plan = Plan(split, order, nodes, split.tail_needed)
+    metas = {n: v.meta["val"] for n, v in nodes.items() if isinstance(v.meta.get("val"), torch.Tensor)}
+    placeholders = local.graph.find_nodes(op="placeholder")
+    offset = next((p.name for p in placeholders if p.meta.get(META_PATH) == "rng offset"), None)
+    runner = PipelineRunner(split, plan, order, pp_rank, _pp_group(mesh, config.axis), metas,
+                            offset, low.n_draws, runners)
+    read_here = set()
+    for piece in [*split.F.values(), *split.B.values(), split.pre, *split.tail]:
+        if piece is not None:
+            read_here.update(piece.inputs)
+    n_inputs = len(inp.paths)
+    needed = [p.name in read_here for p in placeholders[:n_inputs]]
+
+    out_vals = list(next(n for n in reversed(local.graph.nodes) if n.op == "output").args[0])
+    global_out = list(next(n for n in reversed(global_gm.graph.nodes) if n.op == "output").args[0])
+    out_owner, stage_specs = [], []
+    for v, s, gv, pl in zip(out_vals, split.out_stage, global_out, low.out_placements):
+        scalar = isinstance(v, fx.Node) and v.meta["val"].numel() == 1
+        owner = None if (s is None or scalar) else split.rank_of_stage[s]
+        out_owner.append(owner)
+        if owner is None:
+            stage_specs.append(None)
+        else:
+            rest = tuple(p for j, p in enumerate(pl) if j != d) or (Replicate(),)
+            val = gv.meta["val"]
+            stage_specs.append(_torch.build_dtensor_spec(stage_slice(mesh, config.axis, owner), rest,
+                                                         val.shape, val.stride(), val.dtype))
+    out_dt_specs = [_dtensor_spec(mesh, pl, v) for v, pl in zip(global_out, low.out_placements)]
+    tensor_leaf = [isinstance(x, torch.Tensor) for x in sig.leaves]
+    placements = iter(inp.placements)
+    in_plan = [next(placements) if t else None for t in tensor_leaf]
+    dt_specs = iter(out_dt_specs)
+    out_plan = [("static", v) if not isinstance(v, torch.Tensor) else ("dtensor", next(dt_specs))
+                for v in out_leaves]
+    schedule_text = _schedules.format_transfers(_schedules.transfers(order, n_ranks, config.virtual))
+    text = (["pipeline: " + config.text(), f"stages {split.n_stages} boundaries {split.boundaries}"]
+            + [f"input {p}" for p in inp.paths] + ["global program:"] + global_text
+            + ["cut:"] + [f"{n} {split.zone_of[n]} {split.stage_of.get(n)} {split.phase_of.get(n, '')}"
+                          for n in sorted(split.zone_of)])
+
+    def lines():
+        return text
+
+    entry = PipelinedForward(
+        global_graph=global_gm, local_graph=local, runner=runner, mesh=mesh, name=name,
+        in_plan=in_plan, in_paths=inp.leaf_paths, in_specs=inp.specs, out_treedef=out_treedef,
+        out_plan=out_plan, out_placements=low.out_placements, layouts=low.layouts,
+        n_draws=0, rng_device=mesh_device(mesh) if low.n_draws else None,
+        program=sync.token(*text), lines=lines, times={"trace": trace_s, **low.times},
+        n_tensor_out=len(out_specs),
+        split=split, order=order, pp_axis=config.axis, pp_rank=pp_rank, needed=needed,
+        out_owner=out_owner, stage_specs=stage_specs,
+        draws_per_call=low.n_draws * (config.microbatches + 1),
+    )
+    entry.schedule_text = schedule_text          # type: ignore[attr-defined]
+    return entry
+
+
+def _pp_group(mesh, axis: str):
+    if mesh.is_abstract:
+        return None
+    return mesh.device_mesh.get_group(axis)

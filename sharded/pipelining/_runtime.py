@@ -1,0 +1,256 @@
+"""Run a pipelined step on one rank: its pieces in the schedule's order, the values
+that cross ranks sent point to point over the pipeline axis's process group.
+
+# NOTE [Pipeline messages]
+Every rank knows every rank's order and which values each piece sends where (the cut
+is the same on every rank), so a receiver posts its receives from a given sender in
+exactly the order that sender sends: messages between two ranks are matched by order
+(NCCL ignores tags), never by a tag. A send is posted as soon as its value is computed
+and waited at the end of the step; a receive is posted when the value is first needed
+(with the earlier messages from the same sender still pending before it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sharded.pipelining._schedules import Action
+from sharded.pipelining._split import MB, PRE, TAIL, Split
+
+_LAST_TIMELINE: list = []
+
+
+def last_timeline() -> dict:
+    """The compute slots of this process's last pipelined step: ``{"start": t0, "end":
+    t1, "slots": [(label, start, end), ...]}`` (perf_counter seconds), or {} before
+    any step. For measuring the bubble (benchmarks/bench_pipeline.py)."""
+    return dict(_LAST_TIMELINE[-1]) if _LAST_TIMELINE else {}
+
+
+class Plan:
+    """What every rank sends to every other, in order (NOTE [Pipeline messages])."""
+
+    def __init__(self, split: Split, order: dict[int, list[Action]], graph_nodes: dict,
+                 tail_needed: dict[int, set]):
+        self.split = split
+        zone, stage, phase = split.zone_of, split.stage_of, split.phase_of
+        rank_of = split.rank_of_stage
+        # mb values: the ranks that read each (by their readers' stages)
+        self.mb_readers: dict[str, set[int]] = defaultdict(set)
+        for name, node in graph_nodes.items():
+            if zone.get(name) != MB or node.target is _microbatch_op():
+                continue
+            for u in node.users:
+                su = stage.get(u.name)
+                if zone.get(u.name) in (MB, TAIL) and su is not None:
+                    self.mb_readers[name].add(rank_of[su])
+        self.producer_rank = {name: rank_of[s] for name, s in stage.items() if s is not None}
+        # per (stage, phase): the values it sends, in program order
+        self.sends_of: dict[tuple, list[tuple[str, int]]] = defaultdict(list)
+        for name, node in graph_nodes.items():
+            if zone.get(name) != MB or stage.get(name) is None:
+                continue
+            src = rank_of[stage[name]]
+            for dst in sorted(self.mb_readers.get(name, ())):
+                if dst != src:
+                    self.sends_of[(stage[name], phase[name])].append((name, dst))
+        # the messages each pair exchanges, in the sender's order (F/B first, then tail)
+        self.queue: dict[tuple[int, int], list[tuple[str, int | None]]] = defaultdict(list)
+        for src, actions in order.items():
+            for a in actions:
+                for name, dst in self.sends_of.get((a.stage, a.kind), ()):
+                    self.queue[(src, dst)].append((name, a.mb))
+        # tail values: read on another rank than the one computing them
+        self.tail_sends: dict[int, list[tuple[str, int]]] = defaultdict(list)   # round -> (name, dst)
+        rnd = split.tail_round       # type: ignore[attr-defined]
+        for name, node in graph_nodes.items():
+            if zone.get(name) != TAIL or node.op == "output" or stage.get(name) is None:
+                continue
+            src = rank_of[stage[name]]
+            for dst, needed in tail_needed.items():
+                if dst == src:
+                    continue
+                if any(u.name in needed for u in node.users):
+                    self.tail_sends[rnd[name]].append((name, dst))
+        for t in sorted(self.tail_sends):
+            for name, dst in self.tail_sends[t]:
+                self.queue[(self.producer_rank[name], dst)].append((name, None))
+        # scalar outputs owned by one stage: sent to every other rank, in output order
+        self.out_sends: list[tuple[str, int]] = []
+        seen = set()
+        for name, s in zip(split.outputs, split.out_stage):
+            if isinstance(name, str) and s is not None and name not in seen and _is_scalar(graph_nodes[name]):
+                seen.add(name)
+                for dst in range(split.n_ranks):
+                    if dst != rank_of[s]:
+                        self.out_sends.append((name, dst))
+                        self.queue[(rank_of[s], dst)].append((name, None))
+
+
+def _microbatch_op():
+    from sharded.pipelining._markers import MICROBATCH
+    return MICROBATCH
+
+
+def _is_scalar(node) -> bool:
+    v = node.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.numel() == 1
+
+
+class PipelineRunner:
+    """Runs this rank's pieces for one step (``__call__(*inputs) -> outputs``)."""
+
+    def __init__(self, split: Split, plan: Plan, order: dict[int, list[Action]], rank: int,
+                 group, metas: dict[str, Any], offset_name: str | None, n_draws: int,
+                 runners: dict[str, Any]):
+        self.split, self.plan, self.rank, self.group = split, plan, rank, group
+        self.actions = order[rank]
+        self.metas = metas                  # node name -> local fake value (for buffers)
+        self.offset_name, self.n_draws = offset_name, n_draws
+        self.runners = runners              # piece name -> callable
+        self.m = split.config.microbatches
+        mine = [p for p in (*split.F.values(), *split.B.values())]
+        # local uses of each mb value (to free it after its last reader)
+        self.uses: dict[str, int] = defaultdict(int)
+        for p in mine:
+            for x in p.inputs:
+                if split.zone_of.get(x) == MB:
+                    self.uses[x] += 1
+        self.acc_of: dict[str, list[str]] = defaultdict(list)   # mb value -> boundary nodes
+        for b, x in split.accumulate.items():
+            self.acc_of[x].append(b)
+
+    # -- messages -------------------------------------------------------------------
+    def _send(self, value: torch.Tensor, dst: int) -> None:
+        t = value.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        self._sent.append((dist.isend(t, group=self.group, group_dst=dst), t))
+
+    def _recv(self, name: str, mb: int | None, src: int) -> torch.Tensor:
+        key = (name, mb)
+        q = self._pending[src]
+        while key not in self._posted:
+            nxt_name, nxt_mb = self._expected[src].popleft()
+            meta = self.metas[nxt_name]
+            buf = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            self._posted[(nxt_name, nxt_mb)] = (dist.irecv(buf, group=self.group, group_src=src), buf)
+            q.append((nxt_name, nxt_mb))
+        work, buf = self._posted.pop(key)
+        work.wait()
+        return buf
+
+    # -- one step -------------------------------------------------------------------
+    def __call__(self, *inputs):
+        split, plan = self.split, self.plan
+        t_start = time.perf_counter()
+        slots: list = []
+        self._sent: list = []
+        self._posted: dict = {}
+        self._pending: dict = defaultdict(list)
+        self._expected = {src: deque(plan.queue.get((src, self.rank), ()))
+                          for src in range(split.n_ranks)}
+        env: dict[str, Any] = dict(zip(split.placeholders, inputs))
+        self.device = next((x.device for x in inputs if isinstance(x, torch.Tensor)),
+                           torch.device("cpu"))
+        pre = split.pre
+        if pre is not None and pre.outputs:
+            env.update(zip(pre.outputs, self.runners["pre"](*[env[i] for i in pre.inputs])))
+        mbenv: dict[tuple[str, int], Any] = {}
+        left: dict[tuple[str, int], int] = {}
+        acc: dict[str, Any] = {}
+        base_offset = env.get(self.offset_name) if self.offset_name else None
+        for a in self.actions:
+            piece = (split.F if a.kind == "F" else split.B)[a.stage]
+            args = []
+            for x in piece.inputs:
+                z = split.zone_of.get(x)
+                if z == MB:
+                    if (x, a.mb) not in mbenv:
+                        if x in split.microbatch_inputs:
+                            mbenv[(x, a.mb)] = env[split.microbatch_inputs[x]].chunk(self.m)[a.mb]
+                        else:
+                            mbenv[(x, a.mb)] = self._recv(x, a.mb, plan.producer_rank[x])
+                    args.append(mbenv[(x, a.mb)])
+                elif x == self.offset_name and base_offset is not None:
+                    args.append(base_offset + a.mb * self.n_draws)
+                else:
+                    args.append(env[x])
+            t0 = time.perf_counter()
+            outs = self.runners[piece.name](*args)
+            slots.append((f"{a.kind}{a.stage}.{a.mb}", t0, time.perf_counter()))
+            for name, v in zip(piece.outputs, outs):
+                mbenv[(name, a.mb)] = v
+            for name, dst in plan.sends_of.get((a.stage, a.kind), ()):
+                if dst != self.rank:
+                    self._send(mbenv[(name, a.mb)], dst)
+            for name in piece.outputs:
+                for b in self.acc_of.get(name, ()):
+                    v = mbenv[(name, a.mb)]
+                    acc[b] = v if b not in acc else acc[b] + v
+            # free what no later piece here reads (sends hold their own reference)
+            for x in piece.inputs:
+                if split.zone_of.get(x) == MB:
+                    key = (x, a.mb)
+                    left[key] = left.get(key, self.uses[x]) - 1
+                    if left[key] <= 0:
+                        mbenv.pop(key, None)
+                        del left[key]
+            for x in piece.outputs:
+                if not self.uses.get(x):
+                    mbenv.pop((x, a.mb), None)
+        for b, v in acc.items():
+            env[b] = v / self.m if self.m > 1 else v
+        for t, piece in enumerate(split.tail):
+            args = []
+            for x in piece.inputs:
+                if x not in env:
+                    env[x] = self._recv(x, None, plan.producer_rank[x])
+                args.append(env[x])
+            if piece.outputs:
+                env.update(zip(piece.outputs, self.runners[piece.name](*args)))
+            for name, dst in plan.tail_sends.get(t, ()):
+                if plan.producer_rank[name] == self.rank:
+                    self._send(env[name], dst)
+        for name, dst in plan.out_sends:
+            if plan.producer_rank[name] == self.rank:
+                self._send(env[name], dst)
+        outs = []
+        for name, s in zip(split.outputs, split.out_stage):
+            if not isinstance(name, str):
+                outs.append(name)
+            elif s is None or split.rank_of_stage[s] == self.rank:
+                outs.append(env[name])
+            elif (name, None) in self._posted or any(n == name for n, _ in self._expected[split.rank_of_stage[s]]):
+                env[name] = self._recv(name, None, split.rank_of_stage[s])
+                outs.append(env[name])
+            elif name in env:
+                outs.append(env[name])
+            else:
+                outs.append(None)
+        for work, _ in self._sent:
+            work.wait()
+        self._sent = []
+        _LAST_TIMELINE[:] = [{"start": t_start, "end": time.perf_counter(), "slots": slots}]
+        return outs
+
+
+def pieces_text(split: Split) -> list[str]:
+    """The pieces of this rank, one line each (for Lowered and the digest)."""
+    lines = []
+    for table in (split.F, split.B):
+        for s, p in sorted(table.items()):
+            lines.append(f"{p.name}: {len(p.graph.graph.nodes)} nodes, in {p.inputs}, out {p.outputs}")
+    if split.pre is not None:
+        lines.append(f"pre: in {split.pre.inputs}, out {split.pre.outputs}")
+    for p in split.tail:
+        lines.append(f"{p.name}: in {p.inputs}, out {p.outputs}")
+    return lines
+
+
+__all__ = ["PipelineRunner", "Plan", "last_timeline", "pieces_text", "PRE"]

@@ -1,0 +1,547 @@
+"""Cut one rank's program of a pipelined train step into the pieces a schedule runs.
+
+# NOTE [Pipeline pieces]
+pjit traces the whole train step once, with ``pipeline(loss_fn)`` standing for ONE
+micro-batch (``sharded::microbatch`` gives the first micro-batch's rows), and the mode
+lowers it for this rank as it lowers any step (the "pp" axis is replicated: nothing is
+laid out over it, so the program is the one every pp rank would run with the whole
+model). The marks then say what each node is:
+
+- **per micro-batch** (``mb``): what depends on a micro-batch's rows or on the
+  loss's gradient seed (``pipeline_output_grad``): the forward (``F``) and the
+  backward (``B``) of the micro-batch;
+- **after the micro-batches** (``tail``): what reads the pipelined function's loss
+  (``pipeline_output``) or a parameter's gradient (``pipeline_input_grad``): the
+  optimizer, the returned loss. These values are the mean over the micro-batches
+  (a gradient still pending a reduction is summed locally first, then reduced once);
+- **before** (``pre``): the rest, computed once per step where needed: a parameter's
+  all-gather, its cast, constants.
+
+Stages: ``pipe_split`` raises the stage of what follows it (the forward takes the
+largest stage of its inputs), ``pipe_split_grad`` lowers it (the backward of stage k
+starts where the gradient crosses the split back); a tail node runs on the stage of
+its largest input (a parameter's update on the parameter's stage), list ops over
+several stages' tensors (a fused optimizer, the global norm) are cut per stage first.
+A value one rank computes and another reads is sent once (``Transfer``). Each piece is
+a GraphModule; ``Split`` lists them per stage (``F``/``B``), per rank (``pre``) and per
+round of the tail (a round ends where a value crosses ranks).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from sharded._registry import META_PATH
+from sharded.pipelining import _markers as M
+from sharded.pipelining._api import PipelineConfig
+
+PRE, MB, TAIL = "pre", "mb", "tail"
+
+
+class PipelineError(ValueError):
+    """A pipelined step that cannot be cut into stages (raised while lowering, on
+    every rank, before anything is communicated)."""
+
+
+@dataclass
+class Piece:
+    """One compiled unit: ``graph`` takes ``inputs`` (node names of the full program)
+    and returns ``outputs`` (node names)."""
+
+    name: str
+    graph: fx.GraphModule
+    inputs: list[str]
+    outputs: list[str]
+    per_microbatch: bool = False
+    stage: int | None = None
+
+
+@dataclass
+class Split:
+    config: PipelineConfig
+    n_stages: int
+    n_ranks: int
+    stage_of: dict[str, int | None]          # node name -> stage (None: anywhere)
+    zone_of: dict[str, str]
+    phase_of: dict[str, str]                 # mb nodes: "F" / "B"
+    F: dict[int, Piece] = field(default_factory=dict)
+    B: dict[int, Piece] = field(default_factory=dict)
+    pre: Piece | None = None                 # this rank's
+    tail: list[Piece] = field(default_factory=list)   # this rank's, per round
+    accumulate: dict[str, str] = field(default_factory=dict)   # boundary node -> its mb input
+    microbatch_inputs: dict[str, str] = field(default_factory=dict)   # microbatch node -> placeholder
+    placeholders: list[str] = field(default_factory=list)
+    outputs: list = field(default_factory=list)       # output args (node names or constants)
+    out_stage: list = field(default_factory=list)     # per output: stage or None
+    rank_of_stage: dict[int, int] = field(default_factory=dict)
+    boundaries: list = field(default_factory=list)    # chosen split indices
+    param_stage: dict[str, int] = field(default_factory=dict)   # placeholder -> stage
+
+
+def _inputs(n: fx.Node) -> list[fx.Node]:
+    return list(n.all_input_nodes)
+
+
+def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
+    """The pieces of ``gm`` (this rank's program of the whole step, one micro-batch)
+    for pp rank ``rank`` of ``n_ranks`` (NOTE [Pipeline pieces])."""
+    g = gm.graph
+    outs = [n for n in g.nodes if n.op == "call_function" and n.target is M.OUTPUT]
+    if len(outs) != 1:
+        raise PipelineError(f"a pipelined step must call its pipeline(...) function once; it "
+                            f"called {len(outs)}.")
+    config = PipelineConfig.parse(outs[0].args[1])
+    n_stages = n_ranks * config.virtual
+    _untie_seeds(gm)
+
+    # -- zones --------------------------------------------------------------------
+    zone: dict[str, str] = {}
+    phase: dict[str, str] = {}
+    for n in g.nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            zone[n.name] = PRE if n.op != "output" else TAIL
+            continue
+        ins = _inputs(n)
+        if n.target in (M.OUTPUT, M.INPUT_GRAD):
+            zone[n.name] = TAIL
+            continue
+        in_tail = any(zone[i.name] == TAIL for i in ins)
+        in_mb = n.target in (M.MICROBATCH, M.OUTPUT_GRAD) or any(zone[i.name] == MB for i in ins)
+        if in_tail and in_mb:
+            raise PipelineError(
+                f"{_where(n)} reads both a micro-batch's values and the pipelined "
+                f"function's mean result (its loss or a gradient). The gradient of the "
+                f"pipelined loss must seed the backward directly: differentiate "
+                f"pipeline(loss_fn) itself, scaled by constants only.")
+        zone[n.name] = TAIL if in_tail else MB if in_mb else PRE
+        if zone[n.name] == MB:
+            phase[n.name] = "B" if (n.target is M.OUTPUT_GRAD or any(
+                phase.get(i.name) == "B" for i in ins)) else "F"
+
+    # -- stage boundaries: forced splits, or candidates chosen by cost -------------------
+    splits = [n for n in g.nodes if n.op == "call_function" and n.target is M.SPLIT]
+    forced = sorted({n.args[1] for n in splits if n.args[2]})
+    candidates = sorted({n.args[1] for n in splits if not n.args[2]})
+    if forced:
+        chosen = forced
+    else:
+        chosen = _even_split(g, zone, phase, candidates, n_stages)
+    if len(chosen) + 1 != n_stages:
+        raise PipelineError(
+            f"the pipelined function has {len(chosen) + 1} stages ({len(chosen)} pipe_split "
+            f"boundaries) but the mesh's {config.axis!r} axis has {n_ranks} ranks x "
+            f"{config.virtual} virtual stages = {n_stages} stages; "
+            + ("add or remove pipe_split calls, or change virtual_stages." if forced else
+               f"there are too few blocks to split into {n_stages} stages."))
+    rank_of_stage = {s: s % n_ranks for s in range(n_stages)}   # (looped placement, as torch's)
+    step_of = {idx: k + 1 for k, idx in enumerate(chosen)}
+
+    # -- stages of the micro-batch nodes --------------------------------------------
+    stage: dict[str, int | None] = {}
+    split_in: dict[int, int] = {}
+    for n in g.nodes:
+        if zone[n.name] != MB:
+            continue
+        ins = [stage[i.name] for i in _inputs(n) if zone[i.name] == MB and stage.get(i.name) is not None]
+        s = max(ins) if ins else None
+        if n.target is M.MICROBATCH:
+            s = None
+        elif n.target is M.SPLIT and n.args[1] in step_of:
+            prev = 0 if s is None else s
+            split_in.setdefault(n.args[1], prev)
+            s = step_of[n.args[1]]
+            if prev != s - 1:
+                raise PipelineError(f"pipe_split boundary {n.args[1]} is crossed from stage {prev}; "
+                                    f"the splits must be crossed in order.")
+        elif n.target is M.SPLIT_GRAD and n.args[1] in step_of:
+            s = step_of[n.args[1]] - 1
+        elif phase[n.name] == "F" and s is None and n.target is not M.MICROBATCH:
+            s = 0 if any(zone[i.name] == MB for i in _inputs(n)) else None
+        stage[n.name] = s
+    # the loss's backward seed enters the last stage
+    for n in g.nodes:
+        if zone[n.name] == MB and stage[n.name] is None and phase[n.name] == "B":
+            stage[n.name] = None      # free: constants of the backward (rare)
+
+    # -- the stages of the values before: the stage of their readers ---------------------
+    readers: dict[str, set] = defaultdict(set)
+    for n in reversed(list(g.nodes)):
+        if zone[n.name] == MB:
+            if stage[n.name] is not None:
+                for i in _inputs(n):
+                    if zone[i.name] == PRE:
+                        readers[i.name].add(stage[n.name])
+            else:
+                for i in _inputs(n):
+                    if zone[i.name] == PRE:
+                        readers[i.name] |= readers[n.name]
+        elif zone[n.name] == PRE:
+            for i in _inputs(n):
+                if zone[i.name] == PRE:
+                    readers[i.name] |= readers[n.name]
+    param_stage: dict[str, int] = {}
+    for n in g.nodes:
+        if n.op == "call_function" and n.target is M.INPUT:
+            rs = readers[n.name]
+            if len(rs) > 1:
+                raise PipelineError(
+                    f"{_path(n.args[0])} is read by stages {sorted(rs)}: a parameter belongs to "
+                    f"one stage (tied weights, or a value used after a pipe_split without "
+                    f"passing through it). Untie it, or keep all its uses in one stage.")
+            if rs:
+                stage[n.name] = next(iter(rs))
+                param_stage[n.args[0].name] = stage[n.name]
+
+    # -- the tail: list ops cut per stage, then each node on its largest input's stage -----
+    _cut_list_ops(gm, zone, stage, param_stage)
+    for n in g.nodes:
+        if zone.get(n.name) != TAIL or n.op == "output":
+            continue
+        if n.target is M.INPUT_GRAD:
+            marker = _input_marker(g, n.args[1])
+            stage[n.name] = stage.get(marker.name) if marker is not None else None
+            continue
+        best, s = -1, None
+        for i in _inputs(n):
+            si = stage.get(i.name)
+            if si is None and i.op == "placeholder":
+                si = param_stage.get(i.name)
+            if si is None:
+                continue
+            size = _numel(i)
+            if size > best or (size == best and si > (s if s is not None else -1)):
+                best, s = size, si
+        stage[n.name] = s
+    for n in g.nodes:
+        stage.setdefault(n.name, None)
+    out_node = next(n for n in reversed(g.nodes) if n.op == "output")
+    out_args = list(out_node.args[0])
+    split = Split(config, n_stages, n_ranks, stage, zone, phase, rank_of_stage=rank_of_stage,
+                  boundaries=chosen, param_stage=param_stage)
+    split.outputs = [a.name if isinstance(a, fx.Node) else a for a in out_args]
+    split.out_stage = [stage.get(a.name) if isinstance(a, fx.Node) else None for a in out_args]
+    split.placeholders = [n.name for n in g.find_nodes(op="placeholder")]
+    for n in g.nodes:
+        if n.op == "call_function" and n.target in (M.OUTPUT, M.INPUT_GRAD):
+            split.accumulate[n.name] = n.args[0].name
+        if n.op == "call_function" and n.target is M.MICROBATCH:
+            split.microbatch_inputs[n.name] = n.args[0].name
+    _build_pieces(gm, split, rank)
+    return split
+
+
+def _where(n: fx.Node) -> str:
+    st = n.meta.get("stack_trace")
+    line = st.strip().splitlines()[-1].strip() if st else ""
+    return f"{n.name} ({n.target})" + (f" at `{line}`" if line else "")
+
+
+def _path(n) -> str:
+    return n.meta.get(META_PATH, n.name) if isinstance(n, fx.Node) else str(n)
+
+
+def _numel(n: fx.Node) -> int:
+    v = n.meta.get("val")
+    return v.numel() if isinstance(v, torch.Tensor) else 0
+
+
+def _input_marker(g: fx.Graph, index: int):
+    for n in g.find_nodes(op="call_function", target=M.INPUT):
+        if n.args[1] == index:
+            return n
+    return None
+
+
+_LIKE = {torch.ops.aten.ones_like.default: 1.0, torch.ops.aten.zeros_like.default: 0.0,
+         torch.ops.aten.full_like.default: None}
+
+
+def _untie_seeds(gm: fx.GraphModule) -> None:
+    """``ones_like(loss)`` (the backward's seed) reads only the loss's shape: a
+    constant, so the backward does not wait for the mean over micro-batches."""
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op == "call_function" and n.target in _LIKE:
+            val = n.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                continue
+            fill = _LIKE[n.target]
+            fill = n.args[1] if fill is None else fill
+            with g.inserting_before(n):
+                new = g.call_function(torch.ops.aten.full.default, (list(val.shape), fill),
+                                      {"dtype": val.dtype, "layout": val.layout, "device": val.device})
+            new.meta.update(n.meta)
+            n.replace_all_uses_with(new)
+            g.erase_node(n)
+
+
+def _even_split(g, zone, phase, candidates: list[int], n_stages: int) -> list[int]:
+    """Choose ``n_stages - 1`` of the candidate boundaries so that the stages' costs
+    (the parameter elements each segment's forward reads) are as even as a greedy
+    prefix split makes them."""
+    if n_stages == 1:
+        return []
+    if len(candidates) + 1 < n_stages:
+        raise PipelineError(
+            f"{n_stages} stages were asked for but the model has only {len(candidates) + 1} "
+            f"blocks to split between them (more stages than blocks): use fewer pp ranks "
+            f"or virtual stages, or a deeper model.")
+    seg: dict[str, int] = {}
+    cost = [0.0] * (len(candidates) + 1)
+    pos = {c: k + 1 for k, c in enumerate(candidates)}
+    for n in g.nodes:
+        if zone[n.name] != MB or phase[n.name] != "F":
+            continue
+        ins = [seg[i.name] for i in _inputs(n) if i.name in seg]
+        s = max(ins) if ins else 0
+        if n.target is M.SPLIT:
+            s = pos[n.args[1]]
+        seg[n.name] = s
+        for i in _inputs(n):
+            if i.op == "call_function" and i.target is M.INPUT:
+                cost[s] += _numel(i)
+            v = n.meta.get("val")
+        if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
+                        torch.ops.aten.addmm.default):
+            cost[s] += 0          # (parameter elements are the measure; see docstring)
+    total = sum(cost) or 1.0
+    chosen, acc, want = [], 0.0, 1
+    for k, c in enumerate(cost[:-1]):
+        acc += c
+        if acc >= total * want / n_stages and len(chosen) < n_stages - 1:
+            chosen.append(candidates[k])
+            want += 1
+    k = len(candidates) - 1
+    while len(chosen) < n_stages - 1:      # (tail-heavy costs: fill from the end)
+        if candidates[k] not in chosen:
+            chosen.append(candidates[k])
+        k -= 1
+    return sorted(chosen)
+
+
+_FOREACH_PREFIXES = ("_foreach_", "_fused_")
+
+
+def _is_list_op(n: fx.Node) -> bool:
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    name = n.target._schema.name.split("::")[-1]
+    return name.startswith(_FOREACH_PREFIXES) or n.target._schema.name == "sharded::sum_of_squares"
+
+
+def _cut_list_ops(gm, zone, stage, param_stage) -> None:
+    """A list op (a fused optimizer, a foreach op, the global norm's sum of squares)
+    over tensors of several stages becomes one op per stage."""
+    g = gm.graph
+
+    def st(x):
+        s = stage.get(x.name)
+        return param_stage.get(x.name) if s is None and x.op == "placeholder" else s
+
+    for n in list(g.nodes):
+        if zone.get(n.name) != TAIL or not _is_list_op(n):
+            continue
+        lists = [k for k, a in enumerate(n.args) if isinstance(a, (list, tuple)) and a
+                 and all(isinstance(x, fx.Node) for x in a)]
+        if not lists:
+            continue
+        length = len(n.args[lists[0]])
+        per = []
+        for j in range(length):
+            ss = {st(n.args[k][j]) for k in lists} - {None}
+            per.append(max(ss) if ss else None)
+        groups = sorted({s for s in per if s is not None})
+        if len(groups) <= 1:
+            continue
+        is_sos = n.target._schema.name == "sharded::sum_of_squares"
+        parts = []
+        with g.inserting_before(n):
+            for s in groups:
+                idx = [j for j in range(length) if per[j] == s or (per[j] is None and s == groups[-1])]
+                args = [([a[j] for j in idx] if k in lists else a) for k, a in enumerate(n.args)]
+                new = g.call_function(n.target, tuple(args), dict(n.kwargs))
+                val = n.meta.get("val")
+                if is_sos:
+                    new.meta["val"] = val
+                elif isinstance(val, (list, tuple)) and val and isinstance(val[0], (list, tuple)):
+                    new.meta["val"] = type(val)(type(v)(v[j] for j in idx) for v in val)
+                elif isinstance(val, (list, tuple)):
+                    new.meta["val"] = type(val)(val[j] for j in idx)
+                zone[new.name] = TAIL
+                parts.append((s, idx, new))
+        if is_sos:
+            with g.inserting_before(n):
+                total = parts[0][2]
+                for _, _, p in parts[1:]:
+                    total = g.call_function(torch.ops.aten.add.Tensor, (total, p))
+                    total.meta["val"] = n.meta.get("val")
+                    zone[total.name] = TAIL
+            n.replace_all_uses_with(total)
+            g.erase_node(n)
+            continue
+        where = {j: (p, idx.index(j)) for _, idx, p in parts for j in idx}
+        nested = isinstance(n.meta.get("val"), (list, tuple)) and n.meta["val"] \
+            and isinstance(n.meta["val"][0], (list, tuple))
+        for user in list(n.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                if nested:
+                    for user2 in list(user.users):
+                        if user2.target is not operator.getitem:
+                            raise PipelineError(f"{_where(n)} over several stages is read whole; "
+                                                f"the pipeline cannot cut it per stage.")
+                        p, j2 = where[user2.args[1]]
+                        with g.inserting_before(user2):
+                            a = g.call_function(operator.getitem, (p, user.args[1]))
+                            a.meta["val"] = p.meta["val"][user.args[1]]
+                            b = g.call_function(operator.getitem, (a, j2))
+                            b.meta["val"] = a.meta["val"][j2]
+                        zone[a.name] = zone[b.name] = TAIL
+                        user2.replace_all_uses_with(b)
+                        g.erase_node(user2)
+                    g.erase_node(user)
+                else:
+                    p, j2 = where[user.args[1]]
+                    with g.inserting_before(user):
+                        b = g.call_function(operator.getitem, (p, j2))
+                        b.meta["val"] = p.meta["val"][j2]
+                    zone[b.name] = TAIL
+                    user.replace_all_uses_with(b)
+                    g.erase_node(user)
+            else:
+                raise PipelineError(f"{_where(n)} over several stages is read whole; the "
+                                    f"pipeline cannot cut it per stage.")
+        if not n.users:
+            g.erase_node(n)
+    g.lint()
+
+
+# ---------------------------------------------------------------------------
+# Pieces
+# ---------------------------------------------------------------------------
+
+def _build_pieces(gm: fx.GraphModule, split: Split, rank: int) -> None:
+    g = gm.graph
+    nodes = {n.name: n for n in g.nodes}
+    zone, stage, phase = split.zone_of, split.stage_of, split.phase_of
+    mine = {s for s, r in split.rank_of_stage.items() if r == rank}
+
+    def mb_nodes(s, ph):
+        return [n for n in g.nodes if zone[n.name] == MB and phase[n.name] == ph
+                and n.target is not M.MICROBATCH and (stage[n.name] == s or
+                (stage[n.name] is None and _needed_by(n, s, ph, zone, stage, phase)))]
+
+    for s in sorted(mine):
+        for ph, table in (("F", split.F), ("B", split.B)):
+            members = mb_nodes(s, ph)
+            table[s] = _piece(gm, f"{ph}{s}", members, nodes, per_mb=True, stage=s,
+                              keep=lambda n, s=s, ph=ph: True)
+    # the tail, in rounds: a value read on another rank than the one computing it ends
+    # a round
+    rnd: dict[str, int] = {}
+    for n in g.nodes:
+        if zone[n.name] != TAIL or n.op == "output" or n.name in split.accumulate:
+            if n.name in split.accumulate:
+                rnd[n.name] = 0
+            continue
+        r = 0
+        for i in _inputs(n):
+            if zone[i.name] == TAIL and i.name in rnd:
+                far = stage[i.name] is not None and stage[n.name] is not None and \
+                    split.rank_of_stage[stage[i.name]] != split.rank_of_stage[stage[n.name]]
+                r = max(r, rnd[i.name] + (1 if far else 0))
+        rnd[n.name] = r
+    split.tail_round = rnd       # type: ignore[attr-defined]
+    n_rounds = max(rnd.values(), default=0) + 1
+    split.tail_needed = {r: _needed_here(g, split, r) for r in range(split.n_ranks)}  # type: ignore[attr-defined]
+    tail_needed = split.tail_needed[rank]     # type: ignore[attr-defined]
+    for t in range(n_rounds):
+        members = [n for n in g.nodes if zone[n.name] == TAIL and n.op != "output"
+                   and n.name not in split.accumulate and rnd.get(n.name) == t
+                   and n.name in tail_needed]
+        split.tail.append(_piece(gm, f"tail{t}", members, nodes, per_mb=False, stage=None,
+                                 keep=lambda n: True))
+    # the values before, this rank's: what its pieces read
+    need: set[str] = set()
+    for p in [*split.F.values(), *split.B.values(), *split.tail]:
+        need.update(p.inputs)
+        need.update(split.microbatch_inputs[x] for x in p.inputs if x in split.microbatch_inputs)
+    pre_members = _closure_pre(g, zone, need)
+    split.pre = _piece(gm, "pre", pre_members, nodes, per_mb=False, stage=None, keep=lambda n: True)
+
+
+def _needed_by(n, s, ph, zone, stage, phase) -> bool:
+    """A stage-less micro-batch node (a constant of the backward) goes into every piece
+    that reads it."""
+    for u in n.users:
+        if zone.get(u.name) == MB and phase.get(u.name) == ph and (
+                stage.get(u.name) == s or (stage.get(u.name) is None and _needed_by(u, s, ph, zone, stage, phase))):
+            return True
+    return False
+
+
+def _needed_here(g, split: Split, rank: int) -> set[str]:
+    """The tail nodes rank ``rank`` computes: those on its stages, the outputs it
+    returns that belong to no stage, and the stage-less tail nodes these read."""
+    zone, stage = split.zone_of, split.stage_of
+    byname = {n.name: n for n in g.nodes}
+    here = {n.name for n in g.nodes if zone[n.name] == TAIL and n.op != "output"
+            and n.name not in split.accumulate and stage[n.name] is not None
+            and split.rank_of_stage[stage[n.name]] == rank}
+    out_node = next(n for n in reversed(g.nodes) if n.op == "output")
+    here |= {a.name for a in out_node.args[0] if isinstance(a, fx.Node) and zone[a.name] == TAIL
+             and stage.get(a.name) is None and a.name not in split.accumulate}
+    todo = list(here)
+    while todo:
+        for i in _inputs(byname[todo.pop()]):
+            if zone[i.name] == TAIL and stage[i.name] is None and i.name not in here \
+                    and i.name not in split.accumulate:
+                here.add(i.name)
+                todo.append(i.name)
+    return here
+
+
+def _closure_pre(g, zone, need: set[str]) -> list[fx.Node]:
+    byname = {n.name: n for n in g.nodes}
+    take: set[str] = set()
+    todo = [x for x in need if x in byname and zone[x] == PRE and byname[x].op != "placeholder"]
+    while todo:
+        name = todo.pop()
+        if name in take:
+            continue
+        take.add(name)
+        for i in _inputs(byname[name]):
+            if zone[i.name] == PRE and i.op != "placeholder":
+                todo.append(i.name)
+    return [n for n in g.nodes if n.name in take]
+
+
+def _piece(gm, name: str, members: list[fx.Node], nodes: dict, *, per_mb: bool, stage, keep) -> Piece:
+    """A GraphModule of ``members`` (in program order): its inputs are the values they
+    read from outside, its outputs the values read outside (or returned)."""
+    inside = {n.name for n in members}
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    inputs: list[str] = []
+
+    def arg(x: fx.Node) -> fx.Node:
+        if x.name not in env:
+            ph = graph.placeholder(x.name)
+            ph.meta.update({k: v for k, v in x.meta.items() if k in ("val", "tensor_meta", META_PATH)})
+            env[x.name] = ph
+            inputs.append(x.name)
+        return env[x.name]
+
+    for n in members:
+        for i in _inputs(n):
+            if i.name not in inside:
+                arg(i)
+        env[n.name] = graph.node_copy(n, lambda x: env[x.name])
+    outputs = [n.name for n in members
+               if any(u.name not in inside for u in n.users)]
+    graph.output(tuple(env[o] for o in outputs))
+    return Piece(name, fx.GraphModule(gm, graph), inputs, outputs, per_microbatch=per_mb, stage=stage)
