@@ -24,11 +24,12 @@ from sharded._fingerprint import program_lines
 from sharded._program import Forward, local_input
 from sharded._registry import META_PATH
 from sharded.mesh import mesh_device, slice_of, stage_slice
+from sharded.modes._runner import make_runner
 from sharded.pipelining import _markers as M, _schedules
 from sharded.pipelining._api import PipelineConfig
 from sharded.pipelining._runtime import Plan, PipelineRunner, pieces_text
 from sharded.pipelining._split import MB, PipelineError, split_program
-from sharded.spec import local_slice
+from sharded.spec import from_placements, local_slice
 
 
 def is_pipelined(gm: fx.GraphModule) -> bool:
@@ -157,7 +158,11 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
         if piece is None:
             continue
         piece.graph = passes_and_finalize(piece.graph, mode, mesh, 0, False)
-        runners[piece.name] = mode.runner(piece.graph, f"{name} {piece.name}", mesh,
+        # (compile="auto" decides with one all-reduce over the mesh, which the ranks of
+        # different stages, running different pieces, cannot make together: the pieces
+        # of a pipelined step run as graphs unless compile=True asks for inductor)
+        runners[piece.name] = make_runner(piece.graph, getattr(mode, "compile", False) is True,
+                                          f"{name} {piece.name}", mesh,
                                           run_state(("pipeline", piece.name)))
     nodes = {n.name: n for n in local.graph.nodes}
     plan = Plan(split, order, nodes, split.tail_needed)
@@ -170,6 +175,9 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
     for piece in [*split.F.values(), *split.B.values(), split.pre, *split.tail]:
         if piece is not None:
             read_here.update(piece.inputs)
+    for name, s in zip(split.outputs, split.out_stage):        # (inputs returned as they are)
+        if isinstance(name, str) and (s is None or split.rank_of_stage[s] == pp_rank):
+            read_here.add(name)
     n_inputs = len(inp.paths)
     needed = [p.name in read_here for p in placeholders[:n_inputs]]
 
@@ -189,7 +197,11 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
                                                          val.shape, val.stride(), val.dtype))
     out_dt_specs = [_dtensor_spec(mesh, pl, v) for v, pl in zip(global_out, low.out_placements)]
     tensor_leaf = [isinstance(x, torch.Tensor) for x in sig.leaves]
-    placements = iter(inp.placements)
+    in_placements, in_specs = inp.placements, inp.specs
+    if low.in_placements is not None:       # the mode laid the inputs out itself
+        in_placements = list(low.in_placements[:len(in_placements)])
+        in_specs = [from_placements(pl, mesh, m.ndim) for pl, m in zip(in_placements, inp.metas)]
+    placements = iter(in_placements)
     in_plan = [next(placements) if t else None for t in tensor_leaf]
     dt_specs = iter(out_dt_specs)
     out_plan = [("static", v) if not isinstance(v, torch.Tensor) else ("dtensor", next(dt_specs))
@@ -205,7 +217,7 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
 
     entry = PipelinedForward(
         global_graph=global_gm, local_graph=local, runner=runner, mesh=mesh, name=name,
-        in_plan=in_plan, in_paths=inp.leaf_paths, in_specs=inp.specs, out_treedef=out_treedef,
+        in_plan=in_plan, in_paths=inp.leaf_paths, in_specs=in_specs, out_treedef=out_treedef,
         out_plan=out_plan, out_placements=low.out_placements, layouts=low.layouts,
         n_draws=0, rng_device=mesh_device(mesh) if low.n_draws else None,
         program=sync.token(*text), lines=lines, times={"trace": trace_s, **low.times},

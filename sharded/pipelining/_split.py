@@ -197,26 +197,37 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
                 stage[n.name] = next(iter(rs))
                 param_stage[n.args[0].name] = stage[n.name]
 
-    # -- the tail: list ops cut per stage, then each node on its largest input's stage -----
-    _cut_list_ops(gm, zone, stage, param_stage)
+    # -- the owners of the values before: a parameter's view or cast is its stage's -----
+    def owner(x):
+        st_ = stage.get(x.name)
+        return param_stage.get(x.name) if st_ is None and x.op == "placeholder" else st_
+
     for n in g.nodes:
-        if zone.get(n.name) != TAIL or n.op == "output":
+        if zone[n.name] == PRE and n.op == "call_function" and stage.get(n.name) is None:
+            ss = {owner(i) for i in _inputs(n)} - {None}
+            if len(ss) == 1:
+                stage[n.name] = ss.pop()
+
+    # -- the tail: list ops cut per stage, then each node on its largest input's stage -----
+    for n in list(g.nodes):
+        if getattr(n, "_erased", False) or zone.get(n.name) != TAIL or n.op == "output" \
+                or n.name in stage:
             continue
         if n.target is M.INPUT_GRAD:
             marker = _input_marker(g, n.args[1])
             stage[n.name] = stage.get(marker.name) if marker is not None else None
             continue
-        best, s = -1, None
+        if _is_list_op(n) and _cut_list_op(g, n, zone, stage, owner):
+            continue
+        best, s_ = -1, None
         for i in _inputs(n):
-            si = stage.get(i.name)
-            if si is None and i.op == "placeholder":
-                si = param_stage.get(i.name)
+            si = owner(i)
             if si is None:
                 continue
             size = _numel(i)
-            if size > best or (size == best and si > (s if s is not None else -1)):
-                best, s = size, si
-        stage[n.name] = s
+            if size > best or (size == best and si > (s_ if s_ is not None else -1)):
+                best, s_ = size, si
+        stage[n.name] = s_
     for n in g.nodes:
         stage.setdefault(n.name, None)
     out_node = next(n for n in reversed(g.nodes) if n.op == "output")
@@ -224,7 +235,8 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
     split = Split(config, n_stages, n_ranks, stage, zone, phase, rank_of_stage=rank_of_stage,
                   boundaries=chosen, param_stage=param_stage)
     split.outputs = [a.name if isinstance(a, fx.Node) else a for a in out_args]
-    split.out_stage = [stage.get(a.name) if isinstance(a, fx.Node) else None for a in out_args]
+    split.out_stage = [(stage.get(a.name) if a.op != "placeholder" else param_stage.get(a.name))
+                       if isinstance(a, fx.Node) else None for a in out_args]
     split.placeholders = [n.name for n in g.find_nodes(op="placeholder")]
     for n in g.nodes:
         if n.op == "call_function" and n.target in (M.OUTPUT, M.INPUT_GRAD):
@@ -334,90 +346,77 @@ def _is_list_op(n: fx.Node) -> bool:
     return name.startswith(_FOREACH_PREFIXES) or n.target._schema.name == "sharded::sum_of_squares"
 
 
-def _cut_list_ops(gm, zone, stage, param_stage) -> None:
+def _cut_list_op(g: fx.Graph, n: fx.Node, zone, stage, owner) -> bool:
     """A list op (a fused optimizer, a foreach op, the global norm's sum of squares)
-    over tensors of several stages becomes one op per stage."""
-    g = gm.graph
-
-    def st(x):
-        s = stage.get(x.name)
-        return param_stage.get(x.name) if s is None and x.op == "placeholder" else s
-
-    for n in list(g.nodes):
-        if zone.get(n.name) != TAIL or not _is_list_op(n):
-            continue
-        lists = [k for k, a in enumerate(n.args) if isinstance(a, (list, tuple)) and a
-                 and all(isinstance(x, fx.Node) for x in a)]
-        if not lists:
-            continue
-        length = len(n.args[lists[0]])
-        per = []
-        for j in range(length):
-            ss = {st(n.args[k][j]) for k in lists} - {None}
-            per.append(max(ss) if ss else None)
-        groups = sorted({s for s in per if s is not None})
-        if len(groups) <= 1:
-            continue
-        is_sos = n.target._schema.name == "sharded::sum_of_squares"
-        parts = []
+    over tensors of several stages becomes one op per stage (each given its stage);
+    False if ``n`` is within one stage."""
+    lists = [k for k, a in enumerate(n.args) if isinstance(a, (list, tuple)) and a
+             and all(isinstance(x, fx.Node) for x in a)]
+    if not lists:
+        return False
+    length = len(n.args[lists[0]])
+    per = []
+    for j in range(length):
+        ss = {owner(n.args[k][j]) for k in lists if j < len(n.args[k])} - {None}
+        per.append(max(ss) if ss else None)
+    groups = sorted({s for s in per if s is not None})
+    if len(groups) <= 1:
+        return False
+    is_sos = n.target._schema.name == "sharded::sum_of_squares"
+    val = n.meta.get("val")
+    nested = isinstance(val, (list, tuple)) and bool(val) and isinstance(val[0], (list, tuple))
+    parts = []
+    with g.inserting_before(n):
+        for s in groups:
+            idx = [j for j in range(length) if per[j] == s or (per[j] is None and s == groups[-1])]
+            args = [([a[j] for j in idx] if k in lists else a) for k, a in enumerate(n.args)]
+            new = g.call_function(n.target, tuple(args), dict(n.kwargs))
+            if is_sos:
+                new.meta["val"] = val
+            elif nested:
+                new.meta["val"] = type(val)(type(v)(v[j] for j in idx) if len(v) == length else v
+                                            for v in val)
+            elif isinstance(val, (list, tuple)):
+                new.meta["val"] = type(val)(val[j] for j in idx)
+            zone[new.name], stage[new.name] = TAIL, s
+            parts.append((s, idx, new))
+    if is_sos:
         with g.inserting_before(n):
-            for s in groups:
-                idx = [j for j in range(length) if per[j] == s or (per[j] is None and s == groups[-1])]
-                args = [([a[j] for j in idx] if k in lists else a) for k, a in enumerate(n.args)]
-                new = g.call_function(n.target, tuple(args), dict(n.kwargs))
-                val = n.meta.get("val")
-                if is_sos:
-                    new.meta["val"] = val
-                elif isinstance(val, (list, tuple)) and val and isinstance(val[0], (list, tuple)):
-                    new.meta["val"] = type(val)(type(v)(v[j] for j in idx) for v in val)
-                elif isinstance(val, (list, tuple)):
-                    new.meta["val"] = type(val)(val[j] for j in idx)
-                zone[new.name] = TAIL
-                parts.append((s, idx, new))
-        if is_sos:
-            with g.inserting_before(n):
-                total = parts[0][2]
-                for _, _, p in parts[1:]:
-                    total = g.call_function(torch.ops.aten.add.Tensor, (total, p))
-                    total.meta["val"] = n.meta.get("val")
-                    zone[total.name] = TAIL
-            n.replace_all_uses_with(total)
-            g.erase_node(n)
-            continue
-        where = {j: (p, idx.index(j)) for _, idx, p in parts for j in idx}
-        nested = isinstance(n.meta.get("val"), (list, tuple)) and n.meta["val"] \
-            and isinstance(n.meta["val"][0], (list, tuple))
-        for user in list(n.users):
-            if user.op == "call_function" and user.target is operator.getitem:
-                if nested:
-                    for user2 in list(user.users):
-                        if user2.target is not operator.getitem:
-                            raise PipelineError(f"{_where(n)} over several stages is read whole; "
-                                                f"the pipeline cannot cut it per stage.")
-                        p, j2 = where[user2.args[1]]
-                        with g.inserting_before(user2):
-                            a = g.call_function(operator.getitem, (p, user.args[1]))
-                            a.meta["val"] = p.meta["val"][user.args[1]]
-                            b = g.call_function(operator.getitem, (a, j2))
-                            b.meta["val"] = a.meta["val"][j2]
-                        zone[a.name] = zone[b.name] = TAIL
-                        user2.replace_all_uses_with(b)
-                        g.erase_node(user2)
-                    g.erase_node(user)
-                else:
-                    p, j2 = where[user.args[1]]
-                    with g.inserting_before(user):
-                        b = g.call_function(operator.getitem, (p, j2))
-                        b.meta["val"] = p.meta["val"][j2]
-                    zone[b.name] = TAIL
-                    user.replace_all_uses_with(b)
-                    g.erase_node(user)
-            else:
-                raise PipelineError(f"{_where(n)} over several stages is read whole; the "
-                                    f"pipeline cannot cut it per stage.")
-        if not n.users:
-            g.erase_node(n)
-    g.lint()
+            total = parts[0][2]
+            for _, _, p in parts[1:]:
+                total = g.call_function(torch.ops.aten.add.Tensor, (total, p))
+                total.meta["val"] = val
+                zone[total.name], stage[total.name] = TAIL, max(groups)
+        n.replace_all_uses_with(total)
+        g.erase_node(n)
+        return True
+    where = {j: (s, p, idx.index(j)) for s, idx, p in parts for j in idx}
+
+    def take(user, src, k, s):
+        with g.inserting_before(user):
+            b = g.call_function(operator.getitem, (src, k))
+        b.meta["val"] = src.meta["val"][k]
+        zone[b.name], stage[b.name] = TAIL, s
+        return b
+
+    for user in list(n.users):
+        if user.op != "call_function" or user.target is not operator.getitem:
+            raise PipelineError(f"{_where(n)} over several stages is read whole; the "
+                                f"pipeline cannot cut it per stage.")
+        if nested:
+            for user2 in list(user.users):
+                if user2.target is not operator.getitem:
+                    raise PipelineError(f"{_where(n)} over several stages is read whole; "
+                                        f"the pipeline cannot cut it per stage.")
+                s, p, j2 = where[user2.args[1]]
+                user2.replace_all_uses_with(take(user2, take(user2, p, user.args[1], s), j2, s))
+                g.erase_node(user2)
+        else:
+            s, p, j2 = where[user.args[1]]
+            user.replace_all_uses_with(take(user, p, j2, s))
+        g.erase_node(user)
+    g.erase_node(n)
+    return True
 
 
 # ---------------------------------------------------------------------------
@@ -470,6 +469,9 @@ def _build_pieces(gm: fx.GraphModule, split: Split, rank: int) -> None:
     for p in [*split.F.values(), *split.B.values(), *split.tail]:
         need.update(p.inputs)
         need.update(split.microbatch_inputs[x] for x in p.inputs if x in split.microbatch_inputs)
+    for name, s in zip(split.outputs, split.out_stage):      # (outputs computed before)
+        if isinstance(name, str) and zone[name] == PRE and (s is None or split.rank_of_stage[s] == rank):
+            need.add(name)
     pre_members = _closure_pre(g, zone, need)
     split.pre = _piece(gm, "pre", pre_members, nodes, per_mb=False, stage=None, keep=lambda n: True)
 
