@@ -8,6 +8,7 @@ code over its shards; both live here (``from sharded import pjit, shard_map``). 
 from sharded import launch, precision, rules  # launch: the module, callable (NOTE in sharded/launch.py)
 from sharded._pjit import UNSPECIFIED, pjit
 from sharded._remat import checkpoint_name, remat, remat_policies
+from sharded.pipelining import pipe_split, pipeline
 from sharded._shard_map import shard_map
 from sharded._tree import register_dataclass, register_pytree_node
 from sharded.api import gather, shard, spec_of, visualize_sharding, with_sharding_constraint
@@ -27,4 +28,5 @@ __all__ = [
     "RankMismatchError", "RankFailedError", "TracingError", "CapturedStateError",
     "CheckpointError", "ShardingRuleError", "RankError",
     "remat", "checkpoint_name", "remat_policies",
+    "pipeline", "pipe_split",
 ]
