@@ -22,6 +22,10 @@ class Lowered:
       sharded/_autograd.py); None otherwise.
     - ``donated``: ``{donated input path: output path that shares its storage, or
       None}`` (NOTE [Donation] in sharded/_program.py); empty without donation.
+    - ``pipeline``: for a step that calls ``sharded.pipeline(...)``, its schedule:
+      stages, per-stage and per-rank memory, the bubble fraction and each rank's
+      sends, receives and compute slots (docs/pipeline.md); None otherwise.
+      ``as_text()`` starts with it and shows this rank's pieces.
     """
 
     backward: "Lowered | None"
@@ -41,6 +45,7 @@ class Lowered:
         # The layout a mode chose for each input and output, where it chooses them
         # (DataParallelMode: {"inputs": {path: (kind, P)}, "outputs": {...}}).
         self.layouts = compiled.layouts
+        self.pipeline = compiled.pipeline_report() if hasattr(compiled, "pipeline_report") else None
 
     def collectives(self):
         """Each collective of this rank's program, in program order."""
@@ -79,15 +84,26 @@ class Lowered:
     def as_text(self, which: str = "local") -> str:
         """The ``"local"`` (this rank's) or ``"global"`` program as Python code,
         each collective annotated with its kind, shape and mesh axis."""
+        if self.pipeline is not None and which == "local":
+            lines = [f"# {self.name} on {self.mesh!r}, rank {self.mesh.rank}, pipelined"]
+            lines += ["# " + line for line in self._c.pipeline_text().splitlines()]
+            for name, gm in self._c.pieces():
+                lines.append(f"# piece {name}")
+                lines += self._annotated(gm)
+            return "\n".join(lines)
         gm = self.local_graph if which == "local" else self.global_graph
-        calls = {c.node: c for c in collectives(gm, self.mesh)}
         lines = [f"# {self.name} on {self.mesh!r}, rank {self.mesh.rank}, {which} program"]
+        return "\n".join(lines + self._annotated(gm))
+
+    def _annotated(self, gm) -> list[str]:
+        calls = {c.node: c for c in collectives(gm, self.mesh)}
+        lines = []
         for line in gm.code.strip("\n").splitlines():
             name = line.strip().split(" = ", 1)[0]
             if name in calls:
                 line += f"  # {calls[name]}"
             lines.append(line)
-        return "\n".join(lines)
+        return lines
 
     def __repr__(self):
         c = self.cost()["total"]

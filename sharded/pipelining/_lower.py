@@ -27,7 +27,8 @@ from sharded.mesh import mesh_device, slice_of, stage_slice
 from sharded.modes._runner import make_runner
 from sharded.pipelining import _markers as M, _schedules
 from sharded.pipelining._api import PipelineConfig
-from sharded.pipelining._runtime import Plan, PipelineRunner, pieces_text
+from sharded.pipelining._report import format_report, report
+from sharded.pipelining._runtime import Plan, PipelineRunner
 from sharded.pipelining._split import MB, PipelineError, split_program
 from sharded.spec import from_placements, local_slice
 
@@ -70,6 +71,23 @@ class PipelinedForward(Forward):
     out_owner: list = field(default_factory=list)   # per tensor output: stage coordinate or None
     stage_specs: list = field(default_factory=list)  # per tensor output: DTensorSpec on its slice
     draws_per_call: int = 0
+
+    def pipeline_report(self) -> dict:
+        """Lowered.pipeline (sharded/pipelining/_report.py)."""
+        if getattr(self, "_report", None) is None:
+            self._report = report(self.split, self.order, self.local_graph)
+        return self._report
+
+    def pipeline_text(self) -> str:
+        return format_report(self.pipeline_report())
+
+    def pieces(self) -> list:
+        """(name, graph) of this rank's pieces, in the order a step meets them."""
+        sp = self.split
+        out = [("pre", sp.pre.graph)] if sp.pre is not None else []
+        for s in sorted(sp.F):
+            out += [(sp.F[s].name, sp.F[s].graph), (sp.B[s].name, sp.B[s].graph)]
+        return out + [(p.name, p.graph) for p in sp.tail]
 
     def outcome(self, leaves: list) -> sync.Outcome:
         plain = [i for i, (leaf, pl) in enumerate(zip(leaves, self.in_plan))

@@ -529,19 +529,14 @@ def _piece(gm, name: str, members: list[fx.Node], nodes: dict, *, per_mb: bool, 
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     inputs: list[str] = []
-
-    def arg(x: fx.Node) -> fx.Node:
-        if x.name not in env:
-            ph = graph.placeholder(x.name)
-            ph.meta.update({k: v for k, v in x.meta.items() if k in ("val", "tensor_meta", META_PATH)})
-            env[x.name] = ph
-            inputs.append(x.name)
-        return env[x.name]
-
+    for n in members:                 # (placeholders first: passes expect them on top)
+        for x in _inputs(n):
+            if x.name not in inside and x.name not in env:
+                ph = graph.placeholder(x.name)
+                ph.meta.update({k: v for k, v in x.meta.items() if k in ("val", "tensor_meta", META_PATH)})
+                env[x.name] = ph
+                inputs.append(x.name)
     for n in members:
-        for i in _inputs(n):
-            if i.name not in inside:
-                arg(i)
         env[n.name] = graph.node_copy(n, lambda x: env[x.name])
     outputs = [n.name for n in members
                if any(u.name not in inside for u in n.users)]
