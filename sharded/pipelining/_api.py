@@ -173,10 +173,10 @@ def _traced(fn, config: PipelineConfig, params, batch, split_before, blocks):
     handles = []
     try:
         for mod in split_before:
-            handles.append(mod.register_forward_pre_hook(_split_hook(False), with_kwargs=True))
+            handles.append(mod.register_forward_pre_hook(_split_hook(forced=True), with_kwargs=True))
         for k, mod in enumerate(blocks or ()):
             if k:
-                handles.append(mod.register_forward_pre_hook(_split_hook(True), with_kwargs=True))
+                handles.append(mod.register_forward_pre_hook(_split_hook(forced=False), with_kwargs=True))
         loss = fn(params, *batch)
     finally:
         for h in handles:

@@ -204,8 +204,8 @@ class PipelineRunner:
             for x in piece.outputs:
                 if not self.uses.get(x):
                     mbenv.pop((x, a.mb), None)
-        for b, v in acc.items():
-            env[b] = v / self.m if self.m > 1 else v
+        for b, v in acc.items():      # (gradients arrive scaled: _scale_seeds)
+            env[b] = v / self.m if self.m > 1 and b in split.means else v
         for t, piece in enumerate(split.tail):
             args = []
             for x in piece.inputs:

@@ -74,6 +74,7 @@ class Split:
     pre: Piece | None = None                 # this rank's
     tail: list[Piece] = field(default_factory=list)   # this rank's, per round
     accumulate: dict[str, str] = field(default_factory=dict)   # boundary node -> its mb input
+    means: set = field(default_factory=set)      # boundary nodes averaged (the loss); others summed
     microbatch_inputs: dict[str, str] = field(default_factory=dict)   # microbatch node -> placeholder
     placeholders: list[str] = field(default_factory=list)
     outputs: list = field(default_factory=list)       # output args (node names or constants)
@@ -98,6 +99,7 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
     config = PipelineConfig.parse(outs[0].args[1])
     n_stages = n_ranks * config.virtual
     _untie_seeds(gm)
+    _scale_seeds(gm, config.microbatches)
 
     # -- zones --------------------------------------------------------------------
     zone: dict[str, str] = {}
@@ -197,6 +199,14 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
                 stage[n.name] = next(iter(rs))
                 param_stage[n.args[0].name] = stage[n.name]
 
+    empty = sorted(set(range(n_stages)) - set(param_stage.values()))
+    if empty:
+        raise PipelineError(
+            f"pipeline stage(s) {empty} of {n_stages} read no parameters (two pipe_split "
+            f"boundaries with no block between them, or a split after the last block?); "
+            f"every stage must hold parameters. Move the pipe_split calls (boundaries at "
+            f"{chosen}).")
+
     # -- the owners of the values before: a parameter's view or cast is its stage's -----
     def owner(x):
         st_ = stage.get(x.name)
@@ -241,6 +251,8 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
     for n in g.nodes:
         if n.op == "call_function" and n.target in (M.OUTPUT, M.INPUT_GRAD):
             split.accumulate[n.name] = n.args[0].name
+            if n.target is M.OUTPUT:
+                split.means.add(n.name)
         if n.op == "call_function" and n.target is M.MICROBATCH:
             split.microbatch_inputs[n.name] = n.args[0].name
     _build_pieces(gm, split, rank)
@@ -292,10 +304,24 @@ def _untie_seeds(gm: fx.GraphModule) -> None:
             g.erase_node(n)
 
 
+def _scale_seeds(gm: fx.GraphModule, m: int) -> None:
+    """Each micro-batch's backward starts from the loss's gradient over ``m``: the
+    gradients leave the pieces already scaled, as autograd scales each term of a
+    mean, and the tail sums them (the loss itself is averaged there)."""
+    if m == 1:
+        return
+    g = gm.graph
+    for n in g.find_nodes(op="call_function", target=M.OUTPUT_GRAD):
+        seed = n.args[0]
+        with g.inserting_before(n):
+            scaled = g.call_function(torch.ops.aten.div.Tensor, (seed, m))
+        scaled.meta.update(seed.meta)
+        n.replace_input_with(seed, scaled)
+
+
 def _even_split(g, zone, phase, candidates: list[int], n_stages: int) -> list[int]:
-    """Choose ``n_stages - 1`` of the candidate boundaries so that the stages' costs
-    (the parameter elements each segment's forward reads) are as even as a greedy
-    prefix split makes them."""
+    """Choose ``n_stages - 1`` of the candidate boundaries so that the largest stage's
+    cost (the parameter elements its forward reads) is as small as it can be."""
     if n_stages == 1:
         return []
     if len(candidates) + 1 < n_stages:
@@ -304,6 +330,7 @@ def _even_split(g, zone, phase, candidates: list[int], n_stages: int) -> list[in
             f"blocks to split between them (more stages than blocks): use fewer pp ranks "
             f"or virtual stages, or a deeper model.")
     seg: dict[str, int] = {}
+    counted: set[str] = set()
     cost = [0.0] * (len(candidates) + 1)
     pos = {c: k + 1 for k, c in enumerate(candidates)}
     for n in g.nodes:
@@ -314,25 +341,35 @@ def _even_split(g, zone, phase, candidates: list[int], n_stages: int) -> list[in
         if n.target is M.SPLIT:
             s = pos[n.args[1]]
         seg[n.name] = s
-        for i in _inputs(n):
+        todo = [i for i in _inputs(n) if zone[i.name] == PRE]
+        while todo:        # (a parameter reaches its readers through views and casts)
+            i = todo.pop()
+            if i.name in counted:
+                continue
+            counted.add(i.name)
             if i.op == "call_function" and i.target is M.INPUT:
                 cost[s] += _numel(i)
-            v = n.meta.get("val")
-        if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
-                        torch.ops.aten.addmm.default):
-            cost[s] += 0          # (parameter elements are the measure; see docstring)
-    total = sum(cost) or 1.0
-    chosen, acc, want = [], 0.0, 1
-    for k, c in enumerate(cost[:-1]):
-        acc += c
-        if acc >= total * want / n_stages and len(chosen) < n_stages - 1:
-            chosen.append(candidates[k])
-            want += 1
-    k = len(candidates) - 1
-    while len(chosen) < n_stages - 1:      # (tail-heavy costs: fill from the end)
-        if candidates[k] not in chosen:
-            chosen.append(candidates[k])
-        k -= 1
+            else:
+                todo.extend(x for x in _inputs(i) if zone[x.name] == PRE)
+    # the split that minimizes the largest stage's cost (linear partition, by DP)
+    n = len(cost)
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n_stages + 1):
+        for j in range(k, n - (n_stages - k) + 1):
+            for i in range(k - 1, j):
+                v = max(best[k - 1][i], prefix[j] - prefix[i])
+                if v < best[k][j]:
+                    best[k][j], cut[k][j] = v, i
+    chosen, j = [], n
+    for k in range(n_stages, 1, -1):
+        j = cut[k][j]
+        chosen.append(candidates[j - 1])
     return sorted(chosen)
 
 
