@@ -21,7 +21,8 @@ log = logging.getLogger("mkdocs.plugins.sharded_docs")
 
 API_MODULES = [
     "sharded", "sharded.collectives", "sharded.random", "sharded.modes", "sharded.plans",
-    "sharded.checkpoint", "sharded.optim", "sharded.precision", "sharded.rules",
+    "sharded.checkpoint", "sharded.optim", "sharded.pipelining", "sharded.precision",
+    "sharded.rules",
     "transforms",
 ]
 
