@@ -110,6 +110,9 @@ def pipeline(fn: Callable | None = None, /, *, microbatches: int, schedule: str 
         raise ValueError(f"pipeline: virtual_stages must be an int >= 1; got {virtual_stages!r}.")
     from sharded.pipelining import _schedules
     schedule = _schedules.normalize(schedule)
+    if virtual_stages > 1 and schedule in ("GPipe", "1F1B"):
+        raise ValueError(f"pipeline: schedule {schedule!r} runs one stage per rank; for "
+                         f"virtual_stages={virtual_stages} use 'Interleaved1F1B' or 'LoopedBFS'.")
     if not isinstance(axis, str):
         raise TypeError(f"pipeline: axis must be a mesh axis name (str); got {axis!r}.")
     config = PipelineConfig(microbatches, schedule, axis, virtual_stages)

@@ -129,7 +129,9 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
     splits = [n for n in g.nodes if n.op == "call_function" and n.target is M.SPLIT]
     forced = sorted({n.args[1] for n in splits if n.args[2]})
     candidates = sorted({n.args[1] for n in splits if not n.args[2]})
-    if forced:
+    if n_stages == 1:
+        chosen = []          # pp=1: one stage, the boundaries inside it (micro-batching stays)
+    elif forced:
         chosen = forced
     else:
         chosen = _even_split(g, zone, phase, candidates, n_stages)

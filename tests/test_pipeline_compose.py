@@ -1,0 +1,274 @@
+"""Pipeline parallelism composed with the rest of the library (docs/pipeline.md):
+real model code (a Hugging Face Llama split by module, by hand and evenly by cost),
+sharded.checkpoint across pipeline sizes (save at pp=2, load at pp=1 and back), the
+per-call agreement (a rank that diverges fails, never hangs), and the schedule that
+``.lower()`` shows on an abstract pp=8 x dp=8 x tp=8 mesh."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sharded import Mesh, P, RankMismatchError, checkpoint, optim, pipe_split, pipeline, pjit
+from sharded.modes import DTensorExpandMode
+from sharded.pipelining import PipelineError
+from tests.ranks import run
+
+
+# -- a Hugging Face model, split by module ------------------------------------------
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return LlamaForCausalLM(cfg)
+
+
+def _llama_step(model, split: str):
+    def loss_fn(params, ids):
+        return torch.func.functional_call(model, params, (ids,), {"labels": ids}).loss
+
+    kw = {"blocks": model.model.layers} if split == "blocks" else \
+        {"split_before": [model.model.layers[2]]}
+    pl = pipeline(loss_fn, microbatches=2, **kw)
+
+    def step(p, opt, ids):
+        g, loss = torch.func.grad_and_value(pl)(p, ids)
+        p, opt = optim.adamw(p, g, opt, lr=1e-2)
+        return p, opt, loss
+    return step
+
+
+def _ids():
+    return torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _llama_on_ranks():
+    out = {}
+    for split in ("split_before", "blocks"):
+        model = _llama()
+        p = {k: v.detach() for k, v in model.named_parameters()}
+        opt = optim.adamw_init(p)
+        step = pjit(_llama_step(model, split), in_specs=(P(), P(), P()), mesh=Mesh((2,), ("pp",)))
+        losses = []
+        for _ in range(2):
+            p, opt, loss = step(p, opt, _ids())
+            losses.append(float(loss.full_tensor()))
+        out[split] = (losses, {k: v.full_tensor() for k, v in p.items() if v.to_local().numel()})
+    return out
+
+
+def test_hugging_face_llama_split_by_module_matches_one_device():
+    """A transformers LlamaForCausalLM (tiny random config) called through
+    functional_call, its layers split by ``split_before=`` (hooks while traced) and by
+    ``blocks=`` (the lowering picks the boundary that evens out parameters), at pp=2
+    against the same step on one device."""
+    model = _llama()
+    p = {k: v.detach() for k, v in model.named_parameters()}
+    opt = optim.adamw_init(p)
+    step = _llama_step(model, "split_before")
+    ref_losses = []
+    for _ in range(2):
+        p, opt, loss = step(p, opt, _ids())
+        ref_losses.append(float(loss))
+    results = run(2, _llama_on_ranks)
+    for split in ("split_before", "blocks"):
+        held = [set(r[split][1]) for r in results]
+        assert held[0] and held[1] and not held[0] & held[1], split   # each stage's own
+        assert held[0] | held[1] == set(p), split
+        if split == "blocks":      # 4 layers over 2 stages: 2 each (by parameter count)
+            assert sum("layers" in k for k in held[0]) == sum("layers" in k for k in held[1])
+        for losses, params in (r[split] for r in results):
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+            for k, v in params.items():
+                # (Adam divides by a tiny second moment: a few ulps of the gradient
+                # show in the fifth digit of a parameter)
+                torch.testing.assert_close(v, p[k], atol=1e-4, rtol=1e-3)
+
+
+# -- checkpoints across pipeline sizes --------------------------------------------------
+
+def _mlp(n=4, d=8):
+    g = torch.Generator().manual_seed(0)
+    return {"blocks": [{"w": torch.randn(d, d, generator=g) * 0.3, "b": torch.zeros(d)} for _ in range(n)],
+            "head": torch.randn(d, 3, generator=g)}
+
+
+def _mlp_loss(p, x, y):
+    h = x
+    for i, blk in enumerate(p["blocks"]):
+        if i == 2:
+            h = pipe_split(h)
+        h = torch.tanh(h @ blk["w"] + blk["b"])
+    return F.cross_entropy(h @ p["head"], y)
+
+
+def _mlp_step(m=2):
+    pl = pipeline(_mlp_loss, microbatches=m)
+
+    def step(p, opt, x, y):
+        g, loss = torch.func.grad_and_value(pl)(p, x, y)
+        p, opt = optim.adamw(p, g, opt, lr=1e-2)
+        return p, opt, loss
+    return step
+
+
+def _batch():
+    return torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 3
+
+
+def _checkpoint_on_ranks(path):
+    x, y = _batch()
+    p, opt = _mlp(), optim.adamw_init(_mlp())
+    step = pjit(_mlp_step(), in_specs=(P(), P(), P(), P()), mesh=Mesh((2,), ("pp",)))
+    p, opt, _ = step(p, opt, x, y)
+    checkpoint.save(path, {"p": p, "opt": opt})
+    # pp = 1: the whole model in this process, as plain tensors
+    flat = checkpoint.load(path, {"p": _mlp(), "opt": optim.adamw_init(_mlp())})
+    # pp = 1 on a mesh: one pipeline stage, data parallel over both ranks
+    step1 = pjit(_mlp_step(), in_specs=(P(), P(), P("dp"), P("dp")), mesh=Mesh((1, 2), ("pp", "dp")))
+    p1, opt1, loss1 = step1(flat["p"], flat["opt"], x, y)
+    checkpoint.save(path + "_pp1", {"p": p1, "opt": opt1})
+    # back at pp = 2, into the stages' slices
+    back = checkpoint.load(path + "_pp1", {"p": p, "opt": opt})
+    p2, opt2, loss2 = step(back["p"], back["opt"], x, y)
+    return (optree.tree_leaves(flat["p"]), float(loss1.full_tensor()), float(loss2.full_tensor()),
+            [t.full_tensor() for t in optree.tree_leaves(p2) if t.to_local().numel()],
+            [t.to_local().numel() for t in optree.tree_leaves(back["p"])])
+
+
+def test_checkpoint_saved_at_pp2_loads_at_pp1_and_back(tmp_path):
+    """sharded.checkpoint (DCP) of stage-slice DTensors: saved by a pp=2 step, loaded
+    as whole tensors (pp=1 in one process) and onto a pp=1 x dp=2 mesh, trained a
+    step there, saved, and loaded back into the pp=2 slices: every value equals one
+    device's run of the same three steps."""
+    x, y = _batch()
+    p, opt = _mlp(), optim.adamw_init(_mlp())
+    step = _mlp_step()
+    ref = []
+    for _ in range(3):
+        p, opt, loss = step(p, opt, x, y)
+        ref.append((optree.tree_leaves(p), float(loss)))
+    results = run(2, _checkpoint_on_ranks, str(tmp_path / "ck"))
+    for flat, loss1, loss2, held, numels in results:
+        for a, b in zip(flat, ref[0][0]):
+            torch.testing.assert_close(a, b)
+        assert loss1 == pytest.approx(ref[1][1], rel=1e-6)
+        assert loss2 == pytest.approx(ref[2][1], rel=1e-6)
+        assert 0 in numels and any(numels)         # back on its stage's ranks only
+    gathered = results[0][3] + results[1][3]
+    assert len(gathered) == len(ref[2][0])
+    for got, want in zip(gathered, ref[2][0]):
+        torch.testing.assert_close(got, want)
+
+
+# -- the per-call agreement ------------------------------------------------------------
+
+def _diverging_rank():
+    import torch.distributed as dist
+
+    x, y = _batch()
+    m = 2 if dist.get_rank() == 0 else 4          # rank 1 builds a different program
+    step = pjit(_mlp_step(m), in_specs=(P(), P(), P(), P()), mesh=Mesh((2,), ("pp",)))
+    try:
+        step(_mlp(), optim.adamw_init(_mlp()), x, y)
+    except RankMismatchError as e:
+        return str(e)
+    return None
+
+
+def test_a_rank_with_another_pipeline_fails_on_every_rank():
+    """Rank 1 pipelines with 4 micro-batches, rank 0 with 2: both raise
+    RankMismatchError at the call's agreement, before any stage sends anything."""
+    msgs = run(2, _diverging_rank, timeout=120)
+    assert all(m is not None and "different" in m for m in msgs), msgs
+
+
+# -- the schedule on an abstract mesh ---------------------------------------------------
+
+def test_abstract_pp8_dp8_tp8_step_shows_its_schedule():
+    """A Megatron MLP stack at pp=8 x dp=8 x tp=8 lowers in this process: 8 stages of
+    2 blocks, each stage's state and activations, the bubble (simulated from the
+    stages' FLOPs; theory (p-1)/(m+p-1) for 1F1B), and every rank's receives,
+    compute slots and sends."""
+    L, D, m = 16, 64, 16
+    params = {"blocks": [{"w1": torch.empty(D, 4 * D, device="meta"), "w2": torch.empty(4 * D, D, device="meta")}
+                         for _ in range(L)], "head": torch.empty(D, 32, device="meta")}
+    specs = {"blocks": [{"w1": P(None, "tp"), "w2": P("tp", None)} for _ in range(L)], "head": P()}
+
+    def loss_fn(p, x, y):
+        h = x
+        for i, b in enumerate(p["blocks"]):
+            if i and i % 2 == 0:
+                h = pipe_split(h)
+            h = h + F.gelu(h @ b["w1"]) @ b["w2"]
+        return F.cross_entropy(h @ p["head"], y)
+
+    pl = pipeline(loss_fn, microbatches=m, schedule="1F1B")
+
+    def step(p, opt, x, y):
+        g, loss = torch.func.grad_and_value(pl)(p, x, y)
+        p, opt = optim.adamw(p, g, opt, lr=1e-3)
+        return p, opt, loss
+
+    mesh = Mesh.abstract((8, 8, 8), ("pp", "dp", "tp"), rank=0)
+    opt = optim.adamw_init(params)
+    x = torch.empty(256, D, device="meta")
+    y = torch.empty(256, dtype=torch.long, device="meta")
+    low = pjit(step, in_specs=(specs, {"step": P(), "m": specs, "v": specs}, P("dp"), P("dp")),
+               mesh=mesh, mode=DTensorExpandMode()).lower(params, opt, x, y)
+    rep = low.pipeline
+    assert rep["n_stages"] == 8 and rep["microbatches"] == m
+    assert rep["bubble_theory"] == pytest.approx(7 / (m + 7))
+    assert abs(rep["bubble_simulated"] - rep["bubble_theory"]) < 0.1 * rep["bubble_theory"]
+    block_state = 3 * 2 * 2 * (D * 4 * D // 8) * 4    # (param + 2 moments) x 2 blocks x 2 matrices
+    assert [s["state_bytes"] for s in rep["stages"][:7]] == [block_state] * 7
+    assert rep["stages"][7]["state_bytes"] > block_state            # (the head)
+    assert all(s["activation_bytes_per_microbatch"] > 0 for s in rep["stages"])
+    assert [r["peak_in_flight"] for r in rep["ranks"]] == [8, 7, 6, 5, 4, 3, 2, 1]
+    text = low.as_text()
+    assert "rank 0: F0.0 send F0.0->r1" in text and "rank 7: recv F7.0<-r6 F7.0 B7.0 send B7.0->r6" in text
+    assert "# piece F0" in text and "# piece B0" in text
+
+
+def test_pipeline_errors_name_the_fix():
+    """Bad pipelines fail while lowering (every rank lowers the same program), with
+    what to change: tied parameters across stages, a stage with no parameters, a
+    stage count that differs from the mesh's, and in_specs over the pipeline axis."""
+    mesh = Mesh.abstract((2,), ("pp",))
+    x, y = _batch()
+
+    def lower(loss_fn, specs=P(), params=None, virtual=1):
+        pl = pipeline(loss_fn, microbatches=2, virtual_stages=virtual,
+                      schedule="Interleaved1F1B" if virtual > 1 else "1F1B")
+
+        def step(p, x, y):
+            return torch.func.grad_and_value(pl)(p, x, y)
+        return pjit(step, in_specs=(specs, P(), P()), mesh=mesh).lower(params or _mlp(), x, y)
+
+    def tied(p, x, y):
+        h = torch.tanh(x @ p["blocks"][0]["w"])
+        h = pipe_split(h)
+        return F.cross_entropy(torch.tanh(h @ p["blocks"][0]["w"]) @ p["head"], y)
+
+    with pytest.raises(PipelineError, match=r"read by stages \[0, 1\].*tied"):
+        lower(tied)
+
+    def empty_stage(p, x, y):
+        h = pipe_split(x)
+        for blk in p["blocks"]:
+            h = torch.tanh(h @ blk["w"] + blk["b"])
+        return F.cross_entropy(h @ p["head"], y)
+
+    with pytest.raises(PipelineError, match=r"stage\(s\) \[0\] of 2 read no parameters"):
+        lower(empty_stage)
+    with pytest.raises(PipelineError, match=r"2 stages \(1 pipe_split.*4 stages"):
+        lower(_mlp_loss, virtual=2)
+    with pytest.raises(ValueError, match=r"'1F1B' runs one stage per rank"):
+        pipeline(_mlp_loss, microbatches=2, virtual_stages=2)
+    with pytest.raises(PipelineError, match=r"over the pipeline axis 'pp'"):
+        lower(_mlp_loss, specs={"blocks": [{"w": P("pp"), "b": P()}] * 4, "head": P()})
