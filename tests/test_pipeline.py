@@ -132,6 +132,7 @@ def _train(case: dict) -> dict:
     losses, raw = [], []
     for _ in range(case.get("steps", 2)):
         p, opt, loss, norm = step(p, opt, x, y)
+        loss_mesh = tuple(loss.device_mesh.mesh.flatten().tolist())
         loss, norm = loss.full_tensor(), norm.full_tensor()
         losses.append((float(loss), float(norm)))
         raw.append(loss)
@@ -140,7 +141,8 @@ def _train(case: dict) -> dict:
     local = lambda tree: [leaf.to_local().numel() for leaf in optree.tree_leaves(tree)]  # noqa: E731
     return {"losses": losses, "raw": raw, "full": full, "p_local": local(p),
             "m_local": local(opt["m"]), "v_local": local(opt["v"]),
-            "step_local": opt["step"].to_local().numel(), "trace_count": step.trace_count}
+            "step_local": opt["step"].to_local().numel(), "trace_count": step.trace_count,
+            "loss_mesh": loss_mesh}
 
 
 def _guarded(fn, *args):
@@ -152,6 +154,20 @@ def _guarded(fn, *args):
 
 def _train_all(cases: dict) -> dict:
     return {name: _guarded(_train, case) for name, case in cases.items()}
+
+
+def _gather_outputs() -> dict:
+    """On every rank: sharded.gather of a pipelined step's parameters (stage-slice
+    DTensors) after one step."""
+    from sharded import gather
+    case = {"shape": (2,), "names": ("pp",), "m": 2, "steps": 1}
+    mesh = Mesh(case["shape"], case["names"])
+    p = init()
+    opt = optim.adamw_init(p)
+    x, y = data()
+    step = pjit(make_step(2), in_specs=(P(), P(), P(), P()), mesh=mesh)
+    p, opt, _, _ = step(p, opt, x, y)
+    return _guarded(lambda: {"leaves": optree.tree_leaves(gather(p))})
 
 
 # -- bad inputs (2 ranks) ---------------------------------------------------------------------
@@ -259,10 +275,12 @@ CASES_8 = {
 _RESULTS: dict = {}
 
 
-def _results(on_ranks, ws: int):
+def _results(on_ranks, ws):
     if ws not in _RESULTS:
         if ws == "bad":
             _RESULTS[ws] = on_ranks(2, _bad_all, timeout=120.0)
+        elif ws == "gather":
+            _RESULTS[ws] = on_ranks(2, _gather_outputs, timeout=60.0)
         else:
             cases = {2: CASES_2, 4: CASES_4, 8: CASES_8}[ws]
             _RESULTS[ws] = on_ranks(ws, _train_all, cases, timeout=240.0)
@@ -328,6 +346,7 @@ def test_pp2_state_lives_on_its_stage(on_ranks, name):
                 assert (n > 0) == (s % 2 == rank), (key, rank, i, s, r[key])
         assert [sum(r[key][i] for r in rs) for i in range(len(total))] == total, key
     assert all(r["step_local"] == 1 for r in rs)
+    assert all(r["loss_mesh"] == (0, 1) for r in rs)
 
 
 def test_dropout_pp2_equals_pp1_bitwise(on_ranks):
@@ -366,6 +385,23 @@ def test_dropout_pp2_dp2_equals_pp1_dp2_bitwise(on_ranks):
             assert torch.equal(a, b), (k, a, b)
         for i, v in r["full"].items():
             assert torch.equal(v, full1[i]), (k, i)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "library bug: sharded.gather on a pipelined step's outputs (stage-slice DTensors) "
+    "raises torch's 'RuntimeError: DeviceMesh process groups not initialized!' on every "
+    "rank (repro: /tmp/pipe_bugs/gather_stage_outputs.py)"))
+def test_gather_pipeline_outputs_on_every_rank(on_ranks):
+    """docs/pipeline.md ("What comes back": a stage's state must be gathered before
+    another pjit function takes it) and sharded.gather's contract (every DTensor as a
+    full plain tensor on every rank): gather of a pipelined step's parameters gives every
+    rank the whole model, equal to one device's after the same step."""
+    res = _results(on_ranks, "gather")
+    _, ref_leaves = reference({"m": 2, "steps": 1})
+    for k, r in enumerate(res):
+        assert "error" not in r, f"rank {k}: {r.get('error')}"
+        for a, b in zip(r["leaves"], ref_leaves, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 # -- pp=2 x dp=2 on 4 ranks ----------------------------------------------------------------------
