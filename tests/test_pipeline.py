@@ -265,6 +265,9 @@ CASES_4 = {f"{mode}_{sched}_m{m}": {**PPDP, "mode": mode, "m": m, "schedule": sc
            for mode, scheds in (("replicate", ("1F1B", "GPipe")), ("shard", ("GPipe", "1F1B")),
                                 ("expand", ("1F1B", "GPipe")))
            for m, sched in zip((2, 4), scheds)}
+# the pp axis second: a stage's slice is a column of the mesh
+CASES_4["dp_pp_axis_order_shard_1F1B_m2"] = {"shape": (2, 2), "names": ("dp", "pp"),
+                                            "mode": "shard", "m": 2}
 CASES_4["dropout_pp2_dp2"] = {**PPDP, "mode": "shard", "m": 2, "dropout": 0.1, "seed": 0}
 PPDPTP = {"shape": (2, 2, 2), "names": ("pp", "dp", "tp"), "megatron": True, "m": 2}
 CASES_8 = {
@@ -317,6 +320,13 @@ def _leaf_stages(case: dict) -> list[int]:
         s = sum(1 for t in splits if t <= i)
         stages += [s, s]
     return stages + [len(splits)]
+
+
+def _pp_coords(case: dict) -> list[int]:
+    """Each rank's coordinate on the "pp" axis of the case's mesh (row-major ranks)."""
+    grid = torch.arange(int(torch.tensor(case["shape"]).prod())).reshape(case["shape"])
+    d = case["names"].index("pp")
+    return [int((grid == r).nonzero()[0][d]) for r in range(grid.numel())]
 
 
 # -- the tests: pp=2 on 2 ranks ---------------------------------------------------------------
@@ -411,16 +421,18 @@ def test_pp2_dp2_equals_one_device(on_ranks, name):
     """The issue's must-hold list: pp=2 x dp=2 with DataParallelMode("replicate"),
     DataParallelMode("shard") and DTensorExpandMode, the batch P("dp"), 2 and 4
     micro-batches, 1F1B and GPipe: losses and final parameters equal one device's; a
-    stage's state is on its two ranks only (split over "dp" under "shard")."""
+    stage's state is on its two ranks only (split over "dp" under "shard"); also with the
+    mesh's axes as ("dp", "pp"), a stage's slice then a column of the mesh."""
     rs = _check_equal_one_device(_results(on_ranks, 4), name, CASES_4[name])
     case = CASES_4[name]
     stages = _leaf_stages(case)
     total = [t.numel() for t in optree.tree_leaves(init())]
     copies = 1 if case["mode"] == "shard" else 2
+    pp_coord = _pp_coords(case)
     for key in ("p_local", "m_local", "v_local"):
         for rank, r in enumerate(rs):
             for i, (n, s) in enumerate(zip(r[key], stages)):
-                assert (n > 0) == (s == rank // 2), (key, rank, i, r[key])
+                assert (n > 0) == (s == pp_coord[rank]), (key, rank, i, r[key])
         assert [sum(r[key][i] for r in rs) for i in range(len(total))] == [copies * t for t in total]
 
 
@@ -435,10 +447,11 @@ def test_pp2_dp2_tp2_megatron_equals_one_device(on_ranks, name):
     tests/test_data_parallel.py's TP_SPECS and tests/test_hsdp.py's 2x2x2 run): losses
     and parameters equal one device's; a stage's state is on its 4 ranks only."""
     rs = _check_equal_one_device(_results(on_ranks, 8), name, CASES_8[name])
-    stages = _leaf_stages({**CASES_8[name], "splits": (2,)})
+    stages = _leaf_stages(CASES_8[name])
+    pp_coord = _pp_coords(CASES_8[name])
     for rank, r in enumerate(rs):
         for i, (n, s) in enumerate(zip(r["p_local"], stages)):
-            assert (n > 0) == (s == rank // 4), (rank, i, r["p_local"])
+            assert (n > 0) == (s == pp_coord[rank]), (rank, i, r["p_local"])
 
 
 # -- bad inputs: clear errors on every rank, no hang ---------------------------------------------
