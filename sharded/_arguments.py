@@ -543,8 +543,8 @@ def check_on_mesh(x, mesh, path: str, api: str, kind: str = "pjit", *,
             raise ValueError(
                 f"{api}: {path} lives on pipeline stage {found[2]}'s ranks only (a DTensor "
                 f"on the {found[1]!r}={found[2]} slice of {mesh}), which only a pipelined "
-                f"step over {found[1]!r} takes; gather it (dtensor.full_tensor() on its "
-                f"ranks) to use it elsewhere.")
+                f"step over {found[1]!r} takes; gather it first (sharded.gather(tree): the "
+                f"whole tensor on every rank) to use it elsewhere.")
         raise ValueError(
             f"{api}: {path} is a DTensor on {x.device_mesh}, not on the {kind} mesh {mesh}; "
             f"gather it and shard it onto this mesh."

@@ -8,10 +8,11 @@ import functools
 import itertools
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from sharded import _tree, sync
-from sharded.mesh import Mesh, current_mesh
+from sharded.mesh import Mesh, current_mesh, slice_of
 from sharded.spec import P, block, check_spec, from_placements, local_slice, to_placements
 
 __all__ = ["shard", "gather", "spec_of", "with_sharding_constraint", "visualize_sharding"]
@@ -62,13 +63,29 @@ def place(x: torch.Tensor, placements, mesh: Mesh) -> DTensor:
 
 
 def gather(tree):
-    """Every DTensor of ``tree`` as a full plain tensor on every rank."""
+    """Every DTensor of ``tree`` as a full plain tensor on every rank (a pipeline
+    stage's, held by its stage's ranks only, is sent from them: NOTE [Stage slices] in
+    sharded/mesh.py)."""
     leaves, treedef = _tree.flatten(tree)
     for dm in {id(x.device_mesh): x.device_mesh for x in leaves if isinstance(x, DTensor)}.values():
-        Mesh.from_device_mesh(dm).require_ranks("gather")
+        found = slice_of(dm)
+        (found[0] if found is not None else Mesh.from_device_mesh(dm)).require_ranks("gather")
     with sync.peer_failures("gather"):
-        full = [x.full_tensor() if isinstance(x, DTensor) else x for x in leaves]
+        full = [_full(x) if isinstance(x, DTensor) else x for x in leaves]
     return _tree.unflatten(treedef, full)
+
+
+def _full(x: DTensor) -> torch.Tensor:
+    found = slice_of(x.device_mesh)
+    if found is None:
+        return x.full_tensor()
+    mesh, axis, coord = found
+    if mesh.coordinate()[mesh.axis_names.index(axis)] == coord:
+        t = x.full_tensor().contiguous()
+    else:
+        t = torch.empty(x.shape, dtype=x.dtype, device=mesh.device)
+    dist.broadcast(t, group=mesh.device_mesh.get_group(axis), group_src=coord)
+    return t
 
 
 def spec_of(x: DTensor) -> P:

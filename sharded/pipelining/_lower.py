@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from sharded import _torch, sync
 from sharded._arguments import check_on_mesh
 from sharded._fingerprint import program_lines
-from sharded._program import Forward, local_input
-from sharded._registry import META_PATH
+from sharded._program import Forward, _separate_donated, local_input
+from sharded._registry import META_DONATED, META_PATH
 from sharded.mesh import mesh_device, slice_of, stage_slice
 from sharded.modes._runner import make_runner
 from sharded.pipelining import _markers as M, _schedules
@@ -72,6 +72,10 @@ class PipelinedForward(Forward):
     stage_specs: list = field(default_factory=list)  # per tensor output: DTensorSpec on its slice
     draws_per_call: int = 0
 
+    def __post_init__(self):
+        super().__post_init__()
+        self._donated_set = set(self.donated_local)
+
     def pipeline_report(self) -> dict:
         """Lowered.pipeline (sharded/pipelining/_report.py)."""
         if getattr(self, "_report", None) is None:
@@ -103,7 +107,6 @@ class PipelinedForward(Forward):
 
     def run(self, leaves: list, shards: list | None = None,
             agreement: sync.Agreement | None = None) -> Any:
-        sync.agreed(agreement)          # (the pipeline's first message may come early)
         locals_: list = []
         k = 0
         d = self.mesh.axis_names.index(self.pp_axis)
@@ -115,18 +118,37 @@ class PipelinedForward(Forward):
             elif isinstance(leaf, DTensor) and slice_of(leaf.device_mesh) is not None:
                 want = tuple(p for j, p in enumerate(pl) if j != d) or (Replicate(),)
                 if tuple(leaf.placements) != want:
+                    sync.agreed(agreement)   # (redistributing communicates: agree first)
                     leaf = leaf.redistribute(leaf.device_mesh, want)
                 t = _torch.local_tensor(leaf)
                 locals_.append((t.detach() if t.requires_grad else t).contiguous())
             elif isinstance(leaf, DTensor):
+                if tuple(leaf.placements) != tuple(pl):
+                    sync.agreed(agreement)
                 locals_.append(local_input(leaf, pl, self.mesh))
             else:
-                locals_.append(local_slice(leaf.detach() if leaf.requires_grad else leaf, pl, self.mesh))
+                t = local_slice(leaf.detach() if leaf.requires_grad else leaf, pl, self.mesh)
+                # a plain input stays the caller's (NOTE [Donation]): its shard may be
+                # the caller's storage, which a donated input's update would write
+                locals_.append(t.clone() if k in self._donated_set else t)
             k += 1
+        if self.donated:
+            present = [t if t is not None else torch.empty(0) for t in locals_]
+            _separate_donated(present, self.donated_local)     # (overlapping inputs)
+            for k in self.donated_local:
+                if locals_[k] is not None:
+                    locals_[k] = present[k]
         if self.draws_per_call:
             from sharded import random as srandom
             locals_.extend(srandom._take(self.draws_per_call, self.rng_device))
-        outs = self.runner(*locals_)
+        try:
+            outs = self.runner(*locals_, agreement=agreement)
+        except BaseException:
+            if self.donated and (agreement is None or not agreement.failed):
+                self._consume(leaves)
+            raise
+        if self.donated:
+            self._consume(leaves)
         wrapped = []
         for o, owner, spec, stage_spec in zip(outs, self.out_owner, self.out_dtensor_specs,
                                               self.stage_specs):
@@ -152,9 +174,9 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
             f"pipeline(loss_fn)); calling it on inputs that require grad, or under "
             f"torch.func.grad from outside, is not supported. Pass detached tensors.")
     check_mesh(config, mesh, inp.paths, inp.placements, name)
-    if arguments.donated_leaves(args, sig.static_argnums, inp.dyn_kw, sig.leaves):
-        raise PipelineError(f"{name}: donate_argnums/donate_argnames are not supported with "
-                            f"a pipelined step yet; leave them out.")
+    donated = arguments.donated_leaves(args, sig.static_argnums, inp.dyn_kw, sig.leaves)
+    tensor_leaf = [isinstance(x, torch.Tensor) for x in sig.leaves]
+    donated_local = [tensor_leaf[:j].count(True) for j in donated]
     out_leaves, out_treedef = out_info["leaves"], out_info["treedef"]
     out_specs = arguments.out_leaf_specs(out_leaves, out_treedef, mesh)
     for node, path in zip(global_gm.graph.find_nodes(op="placeholder"), inp.paths):
@@ -163,6 +185,9 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
     low = lower_graph(global_gm, mode, mesh, inp.placements, out_specs, name=name,
                       passes=False)
     local = low.graph
+    for k, ph in enumerate(local.graph.find_nodes(op="placeholder")):
+        if k in donated_local:          # NOTE [Donation]: the tail may update it in place
+            ph.meta[META_DONATED] = True
     n_ranks = mesh.size(config.axis)
     d = mesh.axis_names.index(config.axis)
     pp_rank = (mesh.coordinate()[d] if not mesh.is_abstract else
@@ -193,9 +218,9 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
     for piece in [*split.F.values(), *split.B.values(), split.pre, *split.tail]:
         if piece is not None:
             read_here.update(piece.inputs)
-    for name, s in zip(split.outputs, split.out_stage):        # (inputs returned as they are)
-        if isinstance(name, str) and (s is None or split.rank_of_stage[s] == pp_rank):
-            read_here.add(name)
+    for out, s in zip(split.outputs, split.out_stage):        # (inputs returned as they are)
+        if isinstance(out, str) and (s is None or split.rank_of_stage[s] == pp_rank):
+            read_here.add(out)
     n_inputs = len(inp.paths)
     needed = [p.name in read_here for p in placeholders[:n_inputs]]
 
@@ -214,7 +239,6 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
             stage_specs.append(_torch.build_dtensor_spec(stage_slice(mesh, config.axis, owner), rest,
                                                          val.shape, val.stride(), val.dtype))
     out_dt_specs = [_dtensor_spec(mesh, pl, v) for v, pl in zip(global_out, low.out_placements)]
-    tensor_leaf = [isinstance(x, torch.Tensor) for x in sig.leaves]
     in_placements, in_specs = inp.placements, inp.specs
     if low.in_placements is not None:       # the mode laid the inputs out itself
         in_placements = list(low.in_placements[:len(in_placements)])
@@ -243,6 +267,9 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
         split=split, order=order, pp_axis=config.axis, pp_rank=pp_rank, needed=needed,
         out_owner=out_owner, stage_specs=stage_specs,
         draws_per_call=low.n_draws * (config.microbatches + 1),
+        donated=donated, donated_local=donated_local,
+        donated_msgs=[f"{inp.leaf_paths[j]} was donated to {name}; use the returned value"
+                      for j in donated],
     )
     entry.schedule_text = schedule_text          # type: ignore[attr-defined]
     return entry

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sharded import _torch, sync
 from sharded.pipelining._schedules import Action
 from sharded.pipelining._split import MB, PRE, TAIL, Split
 
@@ -77,19 +78,29 @@ class Plan:
                     continue
                 if any(u.name in needed for u in node.users):
                     self.tail_sends[rnd[name]].append((name, dst))
-        for t in sorted(self.tail_sends):
-            for name, dst in self.tail_sends[t]:
-                self.queue[(self.producer_rank[name], dst)].append((name, None))
-        # scalar outputs owned by one stage: sent to every other rank, in output order
-        self.out_sends: list[tuple[str, int]] = []
+        # scalar outputs owned by one stage (the loss): sent to every other rank as soon
+        # as they are computed (-1: after the micro-batches; t: after tail round t),
+        # after that round's tail messages
+        self.out_sends: dict[int, list[tuple[str, int]]] = defaultdict(list)
         seen = set()
         for name, s in zip(split.outputs, split.out_stage):
             if isinstance(name, str) and s is not None and name not in seen and _is_scalar(graph_nodes[name]):
                 seen.add(name)
+                when = -1 if name in split.accumulate else rnd.get(name, 0)
                 for dst in range(split.n_ranks):
                     if dst != rank_of[s]:
-                        self.out_sends.append((name, dst))
-                        self.queue[(rank_of[s], dst)].append((name, None))
+                        self.out_sends[when].append((name, dst))
+        rounds = sorted(set(self.tail_sends) | set(self.out_sends) | {-1})
+        for t in rounds:       # (the order the runtime sends them: NOTE [Pipeline messages])
+            for name, dst in self.tail_sends.get(t, ()):
+                self.queue[(self.producer_rank[name], dst)].append((name, None))
+            for name, dst in self.out_sends.get(t, ()):
+                self.queue[(self.producer_rank[name], dst)].append((name, None))
+
+
+def _has_collective(runner) -> bool:
+    graph = runner.graph if isinstance(runner, torch.fx.GraphModule) else runner.graph.graph
+    return any(n.op == "call_function" and n.target in _torch.COLLECTIVE_OPS for n in graph.nodes)
 
 
 def _microbatch_op():
@@ -113,6 +124,8 @@ class PipelineRunner:
         self.metas = metas                  # node name -> local fake value (for buffers)
         self.offset_name, self.n_draws = offset_name, n_draws
         self.runners = runners              # piece name -> callable
+        # the pieces that communicate (a collective inside): the agreement comes first
+        self.communicating = {name for name, r in runners.items() if _has_collective(r)}
         self.m = split.config.microbatches
         mine = [p for p in (*split.F.values(), *split.B.values())]
         # local uses of each mb value (to free it after its last reader)
@@ -127,12 +140,14 @@ class PipelineRunner:
 
     # -- messages -------------------------------------------------------------------
     def _send(self, value: torch.Tensor, dst: int) -> None:
+        self._before()
         t = value.detach()
         if not t.is_contiguous():
             t = t.contiguous()
         self._sent.append((dist.isend(t, group=self.group, group_dst=dst), t))
 
     def _recv(self, name: str, mb: int | None, src: int) -> torch.Tensor:
+        self._before()
         key = (name, mb)
         q = self._pending[src]
         while key not in self._posted:
@@ -145,9 +160,24 @@ class PipelineRunner:
         work.wait()
         return buf
 
+    def _send_round(self, t: int, env: dict) -> None:
+        plan = self.plan
+        for table in (plan.tail_sends, plan.out_sends):
+            for name, dst in table.get(t, ()):
+                if plan.producer_rank[name] == self.rank:
+                    self._send(env[name], dst)
+
+    def _before(self, piece: str | None = None) -> None:
+        """The call's cross-rank agreement, checked before this rank's first message
+        or collective (NOTE [The agreement overlaps the program] in sharded/sync.py)."""
+        if self._agreement is not None and (piece is None or piece in self.communicating):
+            agreement, self._agreement = self._agreement, None
+            sync.agreed(agreement)
+
     # -- one step -------------------------------------------------------------------
-    def __call__(self, *inputs):
+    def __call__(self, *inputs, agreement=None):
         split, plan = self.split, self.plan
+        self._agreement = agreement
         t_start = time.perf_counter()
         slots: list = []
         self._sent: list = []
@@ -160,10 +190,12 @@ class PipelineRunner:
                            torch.device("cpu"))
         pre = split.pre
         if pre is not None and pre.outputs:
+            self._before("pre")
             env.update(zip(pre.outputs, self.runners["pre"](*[env[i] for i in pre.inputs])))
         mbenv: dict[tuple[str, int], Any] = {}
         left: dict[tuple[str, int], int] = {}
         acc: dict[str, Any] = {}
+        owned: set[str] = set()
         base_offset = env.get(self.offset_name) if self.offset_name else None
         for a in self.actions:
             piece = (split.F if a.kind == "F" else split.B)[a.stage]
@@ -181,6 +213,7 @@ class PipelineRunner:
                     args.append(base_offset + a.mb * self.n_draws)
                 else:
                     args.append(env[x])
+            self._before(piece.name)
             t0 = time.perf_counter()
             outs = self.runners[piece.name](*args)
             slots.append((f"{a.kind}{a.stage}.{a.mb}", t0, time.perf_counter()))
@@ -192,7 +225,13 @@ class PipelineRunner:
             for name in piece.outputs:
                 for b in self.acc_of.get(name, ()):
                     v = mbenv[(name, a.mb)]
-                    acc[b] = v if b not in acc else acc[b] + v
+                    if b not in acc:
+                        acc[b] = v                    # (the piece's; not ours to write)
+                    elif b in owned:
+                        acc[b].add_(v)
+                    else:
+                        acc[b] = acc[b] + v
+                        owned.add(b)
             # free what no later piece here reads (sends hold their own reference)
             for x in piece.inputs:
                 if split.zone_of.get(x) == MB:
@@ -206,6 +245,7 @@ class PipelineRunner:
                     mbenv.pop((x, a.mb), None)
         for b, v in acc.items():      # (gradients arrive scaled: _scale_seeds)
             env[b] = v / self.m if self.m > 1 and b in split.means else v
+        self._send_round(-1, env)
         for t, piece in enumerate(split.tail):
             args = []
             for x in piece.inputs:
@@ -213,13 +253,9 @@ class PipelineRunner:
                     env[x] = self._recv(x, None, plan.producer_rank[x])
                 args.append(env[x])
             if piece.outputs:
+                self._before(piece.name)
                 env.update(zip(piece.outputs, self.runners[piece.name](*args)))
-            for name, dst in plan.tail_sends.get(t, ()):
-                if plan.producer_rank[name] == self.rank:
-                    self._send(env[name], dst)
-        for name, dst in plan.out_sends:
-            if plan.producer_rank[name] == self.rank:
-                self._send(env[name], dst)
+            self._send_round(t, env)
         outs = []
         for name, s in zip(split.outputs, split.out_stage):
             if not isinstance(name, str):
@@ -233,6 +269,7 @@ class PipelineRunner:
                 outs.append(env[name])
             else:
                 outs.append(None)
+        self._before()
         for work, _ in self._sent:
             work.wait()
         self._sent = []

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from sharded._registry import META_PATH
+from sharded._registry import META_DONATED, META_PATH
 from sharded.pipelining import _markers as M
 from sharded.pipelining._api import PipelineConfig
 
@@ -561,6 +561,9 @@ def _closure_pre(g, zone, need: set[str]) -> list[fx.Node]:
     return [n for n in g.nodes if n.name in take]
 
 
+_IDENTITY_MARKS = (M.SPLIT, M.SPLIT_GRAD, M.INPUT, M.INPUT_GRAD, M.OUTPUT, M.OUTPUT_GRAD)
+
+
 def _piece(gm, name: str, members: list[fx.Node], nodes: dict, *, per_mb: bool, stage, keep) -> Piece:
     """A GraphModule of ``members`` (in program order): its inputs are the values they
     read from outside, its outputs the values read outside (or returned)."""
@@ -572,10 +575,14 @@ def _piece(gm, name: str, members: list[fx.Node], nodes: dict, *, per_mb: bool, 
         for x in _inputs(n):
             if x.name not in inside and x.name not in env:
                 ph = graph.placeholder(x.name)
-                ph.meta.update({k: v for k, v in x.meta.items() if k in ("val", "tensor_meta", META_PATH)})
+                ph.meta.update({k: v for k, v in x.meta.items()
+                                if k in ("val", "tensor_meta", META_PATH, META_DONATED)})
                 env[x.name] = ph
                 inputs.append(x.name)
     for n in members:
+        if n.op == "call_function" and n.target in _IDENTITY_MARKS:
+            env[n.name] = env[n.args[0].name]        # (a mark is the identity: no copy)
+            continue
         env[n.name] = graph.node_copy(n, lambda x: env[x.name])
     outputs = [n.name for n in members
                if any(u.name not in inside for u in n.users)]
