@@ -251,6 +251,10 @@ CASES_2 = {
                               "splits": (1, 2, 3)},
     "LoopedBFS_v2_m1": {**PP, "m": 1, "schedule": "LoopedBFS", "virtual": 2, "splits": (1, 2, 3)},
     "1F1B_m4_clip": {**PP, "m": 4, "clip": True},
+    # candidate splits (pipe_split(h, auto=True)) before blocks 1, 2, 3: the lowering picks
+    "auto_split_1F1B_m2": {**PP, "m": 2, "splits": (1, 2, 3), "auto": True},
+    "auto_split_Interleaved1F1B_v2_m2": {**PP, "m": 2, "splits": (1, 2, 3), "auto": True,
+                                         "schedule": "Interleaved1F1B", "virtual": 2},
     # random numbers: pp=2 against pp=1 (x dp=2, the batch replicated), the same seed
     "dropout_pp2": {**PP, "m": 4, "dropout": 0.1, "seed": 0},
     "dropout_pp1": {"shape": (1, 2), "names": ("pp", "dp"), "batch_spec": P(), "m": 4,
@@ -337,7 +341,9 @@ def test_pp2_equals_one_device(on_ranks, name):
     Interleaved1F1B and LoopedBFS with 2 virtual stages; clip_by_global_norm in the step),
     as torch's test_schedule.py ScheduleTest checks each schedule against one device;
     ``*_v2_m1``: one micro-batch for 4 stages (torchtitan issue 775 hung there). Losses
-    (and the clipped norm) over 2 steps and the final parameters equal one device's."""
+    (and the clipped norm) over 2 steps and the final parameters equal one device's;
+    ``auto_split_*``: candidate boundaries (``pipe_split(h, auto=True)``) the lowering
+    chooses among."""
     _check_equal_one_device(_results(on_ranks, 2), name, CASES_2[name])
 
 
