@@ -7,7 +7,9 @@ is the same on every rank), so a receiver posts its receives from a given sender
 exactly the order that sender sends: messages between two ranks are matched by order
 (NCCL ignores tags), never by a tag. A send is posted as soon as its value is computed
 and waited at the end of the step; a receive is posted when the value is first needed
-(with the earlier messages from the same sender still pending before it).
+(with the earlier messages from the same sender still pending before it), and
+``AHEAD`` receives per sender are kept posted from then on, so that a message lands
+while this rank computes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from sharded.pipelining._schedules import Action
 from sharded.pipelining._split import MB, PRE, TAIL, Split
 
 _LAST_TIMELINE: list = []
+AHEAD = 2          # receives kept posted per sender (NOTE [Pipeline messages])
 
 
 def last_timeline() -> dict:
@@ -146,17 +149,31 @@ class PipelineRunner:
             t = t.contiguous()
         self._sent.append((dist.isend(t, group=self.group, group_dst=dst), t))
 
+    def _post(self, src: int) -> None:
+        """Post the next receive from ``src``, in the order it sends."""
+        name, mb = self._expected[src].popleft()
+        meta = self.metas[name]
+        buf = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        self._posted[(name, mb)] = (dist.irecv(buf, group=self.group, group_src=src), buf)
+        self._ahead[src] += 1
+
+    def _post_ahead(self) -> None:
+        """Keep ``AHEAD`` receives posted per sender, so a message lands while this
+        rank computes (once the call's agreement is checked)."""
+        if self._agreement is not None:
+            return
+        for src, q in self._expected.items():
+            while q and self._ahead[src] < AHEAD:
+                self._post(src)
+
     def _recv(self, name: str, mb: int | None, src: int) -> torch.Tensor:
         self._before()
         key = (name, mb)
-        q = self._pending[src]
         while key not in self._posted:
-            nxt_name, nxt_mb = self._expected[src].popleft()
-            meta = self.metas[nxt_name]
-            buf = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-            self._posted[(nxt_name, nxt_mb)] = (dist.irecv(buf, group=self.group, group_src=src), buf)
-            q.append((nxt_name, nxt_mb))
+            self._post(src)
         work, buf = self._posted.pop(key)
+        self._ahead[src] -= 1
+        self._post_ahead()
         work.wait()
         return buf
 
@@ -182,7 +199,7 @@ class PipelineRunner:
         slots: list = []
         self._sent: list = []
         self._posted: dict = {}
-        self._pending: dict = defaultdict(list)
+        self._ahead: dict[int, int] = defaultdict(int)
         self._expected = {src: deque(plan.queue.get((src, self.rank), ()))
                           for src in range(split.n_ranks)}
         env: dict[str, Any] = dict(zip(split.placeholders, inputs))
@@ -222,6 +239,7 @@ class PipelineRunner:
             for name, dst in plan.sends_of.get((a.stage, a.kind), ()):
                 if dst != self.rank:
                     self._send(mbenv[(name, a.mb)], dst)
+            self._post_ahead()
             for name in piece.outputs:
                 for b in self.acc_of.get(name, ()):
                     v = mbenv[(name, a.mb)]
