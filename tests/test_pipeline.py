@@ -213,6 +213,10 @@ def _bad_step(kind: str):
     elif kind == "params_over_pp":
         step = make_step(2)
         specs = (P("pp"), P(), P(), P())
+    elif kind == "restaged_state":           # state of a step split before block 2, fed to
+        first = pjit(make_step(2), in_specs=specs, mesh=mesh)   # one split before block 1
+        p, opt, _, _ = first(p, opt, x, y)
+        step = make_step(2, splits=(1,))
     else:
         raise AssertionError(kind)
     return pjit(step, in_specs=specs, mesh=mesh), (p, opt, x, y)
@@ -222,15 +226,17 @@ BAD = ("indivisible_batch", "more_stages_than_blocks", "stage_count_mismatch",
        "split_in_shard_map", "stage_without_params", "no_pp_axis", "params_over_pp")
 
 
-def _bad_all() -> dict:
+def _bad_all(kinds=BAD) -> dict:
     out = {}
-    for kind in BAD:
+    for kind in kinds:
         try:
             step, args = _bad_step(kind)
             step(*args)
             out[kind] = "no error"
         except Exception as e:  # noqa: BLE001
             out[kind] = f"{type(e).__name__}: {e}"
+    if kinds != BAD:
+        return out
     # the pool still runs a good step after the errors (no rank left waiting)
     out["after"] = _guarded(_train, {"shape": (2,), "names": ("pp",), "m": 2, "steps": 1})
     return out
@@ -286,6 +292,8 @@ def _results(on_ranks, ws):
     if ws not in _RESULTS:
         if ws == "bad":
             _RESULTS[ws] = on_ranks(2, _bad_all, timeout=120.0)
+        elif ws == "restaged":     # (its failure closes the ranks' groups: a call of its own)
+            _RESULTS[ws] = on_ranks(2, _bad_all, ("restaged_state",), timeout=120.0)
         elif ws == "gather":
             _RESULTS[ws] = on_ranks(2, _gather_outputs, timeout=60.0)
         else:
@@ -470,7 +478,13 @@ BAD_EXPECT = {
     "stage_without_params": ("PipelineError", "read no parameters"),
     "no_pp_axis": ("PipelineError", "has no axis 'pp'"),
     "params_over_pp": ("PipelineError", "over the pipeline axis 'pp'"),
+    "restaged_state": ("PipelineError", "stage"),
 }
+RESTAGED_BUG = pytest.mark.xfail(strict=True, reason=(
+    "library bug: a pipelined step's state fed to a step with other split points fails "
+    "with \"RuntimeError: shape '[8, 8]' is invalid for input of size 0\" on the rank "
+    "that now owns a parameter (RankFailedError on the others), not a clear error "
+    "(repro: /tmp/pipe_bugs/restaged_state.py)"))
 
 
 @pytest.mark.parametrize("kind", BAD)
@@ -487,3 +501,17 @@ def test_bad_pipeline_is_clear_error_on_every_rank(on_ranks, kind):
     for k, msg in enumerate(msgs):
         assert msg.startswith(typ + ":") and phrase in msg, (k, msg)
     _ok(res, "after")
+
+
+@RESTAGED_BUG
+def test_restaged_state_is_clear_error_on_every_rank(on_ranks):
+    """The issue's must-hold list (bad input is a clear error on every rank) and
+    docs/pipeline.md ("Feeding state back": the next call takes the slice DTensors as
+    they came out): one step's stage state (split before block 2) fed to a step split
+    before block 1, where block 1's parameters change stage, is a clear error on every
+    rank."""
+    res = _results(on_ranks, "restaged")
+    typ, phrase = BAD_EXPECT["restaged_state"]
+    for k, r in enumerate(res):
+        msg = r["restaged_state"]
+        assert msg.startswith(typ + ":") and phrase in msg, (k, msg)
