@@ -411,10 +411,6 @@ def test_dropout_pp2_dp2_equals_pp1_dp2_bitwise(on_ranks):
             assert torch.equal(v, full1[i]), (k, i)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: sharded.gather on a pipelined step's outputs (stage-slice DTensors) "
-    "raises torch's 'RuntimeError: DeviceMesh process groups not initialized!' on every "
-    "rank (repro: /tmp/pipe_bugs/gather_stage_outputs.py)"))
 def test_gather_pipeline_outputs_on_every_rank(on_ranks):
     """docs/pipeline.md ("What comes back": a stage's state must be gathered before
     another pjit function takes it) and sharded.gather's contract (every DTensor as a
