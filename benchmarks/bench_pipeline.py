@@ -224,7 +224,8 @@ def _build(row: str, a: dict, rank: int, timelines: list | None = None):
         from sharded.pipelining import last_timeline
 
         mesh = Mesh((2,), ("pp",))
-        f = pjit(our_step(cfg, split_at, m, schedule), in_specs=(P(), P(), P(), P()), mesh=mesh)
+        f = pjit(our_step(cfg, split_at, m, schedule), in_specs=(P(), P(), P(), P()), mesh=mesh,
+                 donate_argnums=(0, 1))    # (torch updates its parameters in place too)
         # the whole model and its AdamW state go in; each stage's part comes back on its rank
         st["p"], st["o"] = a["params"], optim.adamw_init(a["params"])
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -68,6 +69,8 @@ class PipelinedForward(Forward):
     pp_axis: str = "pp"
     pp_rank: int = 0
     needed: list = field(default_factory=list)      # per tensor input: read on this rank
+    in_owner: list = field(default_factory=list)    # per tensor input: the pp rank that reads it (None: several)
+    in_local_meta: list = field(default_factory=list)   # per tensor input: its local shape and dtype
     out_owner: list = field(default_factory=list)   # per tensor output: stage coordinate or None
     stage_specs: list = field(default_factory=list)  # per tensor output: DTensorSpec on its slice
     draws_per_call: int = 0
@@ -75,6 +78,29 @@ class PipelinedForward(Forward):
     def __post_init__(self):
         super().__post_init__()
         self._donated_set = set(self.donated_local)
+
+    def _restage(self, leaf: DTensor, pl, holder: int, k: int, d: int):
+        """A stage's tensor that this program needs on another stage's ranks (the
+        split points moved, or a checkpoint of other stages was loaded): sent from its
+        slice over the pipeline axis, each rank its own dp/tp shard. Every rank meets
+        the inputs in the same order, so the sends and receives pair up."""
+        owner = self.in_owner[k]
+        targets = [r for r in range(self.split.n_ranks) if r != holder and (owner is None or r == owner)]
+        group = self.mesh.device_mesh.get_group(self.pp_axis)
+        if self.pp_rank == holder:
+            want = tuple(p for j, p in enumerate(pl) if j != d) or (Replicate(),)
+            if tuple(leaf.placements) != want:
+                leaf = leaf.redistribute(leaf.device_mesh, want)
+            t = _torch.local_tensor(leaf).detach().contiguous()
+            for r in targets:
+                dist.send(t, group=group, group_dst=r)
+            return t if owner is None else None
+        if self.pp_rank in targets:
+            meta = self.in_local_meta[k]
+            buf = torch.empty(meta.shape, dtype=meta.dtype, device=mesh_device(self.mesh))
+            dist.recv(buf, group=group, group_src=holder)
+            return buf
+        return None
 
     def pipeline_report(self) -> dict:
         """Lowered.pipeline (sharded/pipelining/_report.py)."""
@@ -113,9 +139,13 @@ class PipelinedForward(Forward):
         for leaf, pl in zip(leaves, self.in_plan):
             if pl is None:
                 continue
-            if not self.needed[k]:
+            found = slice_of(leaf.device_mesh) if isinstance(leaf, DTensor) else None
+            if found is not None and found[2] != self.in_owner[k]:
+                sync.agreed(agreement)       # (moving it communicates: agree first)
+                locals_.append(self._restage(leaf, pl, found[2], k, d))
+            elif not self.needed[k]:
                 locals_.append(None)
-            elif isinstance(leaf, DTensor) and slice_of(leaf.device_mesh) is not None:
+            elif found is not None:
                 want = tuple(p for j, p in enumerate(pl) if j != d) or (Replicate(),)
                 if tuple(leaf.placements) != want:
                     sync.agreed(agreement)   # (redistributing communicates: agree first)
@@ -223,6 +253,13 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
             read_here.add(out)
     n_inputs = len(inp.paths)
     needed = [p.name in read_here for p in placeholders[:n_inputs]]
+    in_owner = []
+    for ph in placeholders[:n_inputs]:
+        stages = {split.stage_of.get(u.name) for u in ph.users} | (
+            {split.param_stage[ph.name]} if ph.name in split.param_stage else set())
+        stages.discard(None)
+        ranks_ = {split.rank_of_stage[s_] for s_ in stages}
+        in_owner.append(ranks_.pop() if len(ranks_) == 1 else None)
 
     out_vals = list(next(n for n in reversed(local.graph.nodes) if n.op == "output").args[0])
     global_out = list(next(n for n in reversed(global_gm.graph.nodes) if n.op == "output").args[0])
@@ -265,7 +302,8 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
         program=sync.token(*text), lines=lines, times={"trace": trace_s, **low.times},
         n_tensor_out=len(out_specs),
         split=split, order=order, pp_axis=config.axis, pp_rank=pp_rank, needed=needed,
-        out_owner=out_owner, stage_specs=stage_specs,
+        out_owner=out_owner, stage_specs=stage_specs, in_owner=in_owner,
+        in_local_meta=[ph.meta["val"] for ph in placeholders[:n_inputs]],
         draws_per_call=low.n_draws * (config.microbatches + 1),
         donated=donated, donated_local=donated_local,
         donated_msgs=[f"{inp.leaf_paths[j]} was donated to {name}; use the returned value"

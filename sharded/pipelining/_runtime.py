@@ -137,9 +137,29 @@ class PipelineRunner:
             for x in p.inputs:
                 if split.zone_of.get(x) == MB:
                     self.uses[x] += 1
-        self.acc_of: dict[str, list[str]] = defaultdict(list)   # mb value -> boundary nodes
+        acc_of: dict[str, list[str]] = defaultdict(list)   # mb value -> boundary nodes
         for b, x in split.accumulate.items():
-            self.acc_of[x].append(b)
+            acc_of[x].append(b)
+        # per piece, computed once: where each argument comes from (0: computed before
+        # the micro-batches, 1: this micro-batch's, made here, received, or its rows of a
+        # batch argument; 2: the random offset of this micro-batch), which outputs are
+        # summed into a gradient, and which micro-batch values it is the last to read
+        self.arg_plan: dict[str, list] = {}
+        self.acc_plan: dict[str, list] = {}
+        self.free_plan: dict[str, list] = {}
+        for p in mine:
+            plan_ = []
+            for x in p.inputs:
+                if split.zone_of.get(x) == MB:
+                    plan_.append((1, x, split.microbatch_inputs.get(x)))
+                elif x == offset_name:
+                    plan_.append((2, x, None))
+                else:
+                    plan_.append((0, x, None))
+            self.arg_plan[p.name] = plan_
+            self.acc_plan[p.name] = [(k, b) for k, name in enumerate(p.outputs) for b in acc_of.get(name, ())]
+            self.free_plan[p.name] = [(x, self.uses[x]) for x in p.inputs if split.zone_of.get(x) == MB] \
+                + [(x, 1) for x in p.outputs if not self.uses.get(x)]
 
     # -- messages -------------------------------------------------------------------
     def _send(self, value: torch.Tensor, dst: int) -> None:
@@ -214,53 +234,52 @@ class PipelineRunner:
         acc: dict[str, Any] = {}
         owned: set[str] = set()
         base_offset = env.get(self.offset_name) if self.offset_name else None
+        runners = self.runners
         for a in self.actions:
             piece = (split.F if a.kind == "F" else split.B)[a.stage]
+            mb = a.mb
             args = []
-            for x in piece.inputs:
-                z = split.zone_of.get(x)
-                if z == MB:
-                    if (x, a.mb) not in mbenv:
-                        if x in split.microbatch_inputs:
-                            mbenv[(x, a.mb)] = env[split.microbatch_inputs[x]].chunk(self.m)[a.mb]
-                        else:
-                            mbenv[(x, a.mb)] = self._recv(x, a.mb, plan.producer_rank[x])
-                    args.append(mbenv[(x, a.mb)])
-                elif x == self.offset_name and base_offset is not None:
-                    args.append(base_offset + a.mb * self.n_draws)
-                else:
+            for kind, x, aux in self.arg_plan[piece.name]:
+                if kind == 0:
                     args.append(env[x])
-            self._before(piece.name)
+                elif kind == 1:
+                    v = mbenv.get((x, mb))
+                    if v is None:
+                        v = mbenv[(x, mb)] = (env[aux].chunk(self.m)[mb] if aux is not None
+                                              else self._recv(x, mb, plan.producer_rank[x]))
+                    args.append(v)
+                else:
+                    args.append(base_offset + mb * self.n_draws)
+            if self._agreement is not None:
+                self._before(piece.name)
             t0 = time.perf_counter()
-            outs = self.runners[piece.name](*args)
-            slots.append((f"{a.kind}{a.stage}.{a.mb}", t0, time.perf_counter()))
+            outs = runners[piece.name](*args)
+            slots.append((a, t0, time.perf_counter()))
             for name, v in zip(piece.outputs, outs):
-                mbenv[(name, a.mb)] = v
-            for name, dst in plan.sends_of.get((a.stage, a.kind), ()):
-                if dst != self.rank:
-                    self._send(mbenv[(name, a.mb)], dst)
+                mbenv[(name, mb)] = v
+            sends = plan.sends_of.get((a.stage, a.kind))
+            if sends:
+                for name, dst in sends:
+                    self._send(mbenv[(name, mb)], dst)
             self._post_ahead()
-            for name in piece.outputs:
-                for b in self.acc_of.get(name, ()):
-                    v = mbenv[(name, a.mb)]
-                    if b not in acc:
-                        acc[b] = v                    # (the piece's; not ours to write)
-                    elif b in owned:
-                        acc[b].add_(v)
-                    else:
-                        acc[b] = acc[b] + v
-                        owned.add(b)
+            for k, b in self.acc_plan[piece.name]:
+                v = outs[k]
+                if b not in acc:
+                    acc[b] = v                    # (the piece's; not ours to write)
+                elif b in owned:
+                    acc[b].add_(v)
+                else:
+                    acc[b] = acc[b] + v
+                    owned.add(b)
             # free what no later piece here reads (sends hold their own reference)
-            for x in piece.inputs:
-                if split.zone_of.get(x) == MB:
-                    key = (x, a.mb)
-                    left[key] = left.get(key, self.uses[x]) - 1
-                    if left[key] <= 0:
-                        mbenv.pop(key, None)
-                        del left[key]
-            for x in piece.outputs:
-                if not self.uses.get(x):
-                    mbenv.pop((x, a.mb), None)
+            for x, uses in self.free_plan[piece.name]:
+                key = (x, mb)
+                n = left.get(key, uses) - 1
+                if n <= 0:
+                    mbenv.pop(key, None)
+                    left.pop(key, None)
+                else:
+                    left[key] = n
         for b, v in acc.items():      # (gradients arrive scaled: _scale_seeds)
             env[b] = v / self.m if self.m > 1 and b in split.means else v
         self._send_round(-1, env)
@@ -291,7 +310,8 @@ class PipelineRunner:
         for work, _ in self._sent:
             work.wait()
         self._sent = []
-        _LAST_TIMELINE[:] = [{"start": t_start, "end": time.perf_counter(), "slots": slots}]
+        _LAST_TIMELINE[:] = [{"start": t_start, "end": time.perf_counter(),
+                              "slots": [(f"{a.kind}{a.stage}.{a.mb}", t0, t1) for a, t0, t1 in slots]}]
         return outs
 
 
