@@ -279,7 +279,8 @@ CASES_4 = {f"{mode}_{sched}_m{m}": {**PPDP, "mode": mode, "m": m, "schedule": sc
 CASES_4["dp_pp_axis_order_shard_1F1B_m2"] = {"shape": (2, 2), "names": ("dp", "pp"),
                                             "mode": "shard", "m": 2}
 CASES_4["dropout_pp2_dp2"] = {**PPDP, "mode": "shard", "m": 2, "dropout": 0.1, "seed": 0}
-PPDPTP = {"shape": (2, 2, 2), "names": ("pp", "dp", "tp"), "megatron": True, "m": 2}
+PPDPTP = {"shape": (2, 2, 2), "names": ("pp", "dp", "tp"), "megatron": True, "m": 2,
+          "n_blocks": 2, "splits": (1,)}
 CASES_8 = {
     "megatron_expand": {**PPDPTP, "mode": "expand"},
     "megatron_dp_shard": {**PPDPTP, "mode": "shard"},
