@@ -115,8 +115,7 @@ class PipelinedForward(Forward):
         """(name, graph) of this rank's pieces, in the order a step meets them."""
         sp = self.split
         out = [("pre", sp.pre.graph)] if sp.pre is not None else []
-        for s in sorted(sp.F):
-            out += [(sp.F[s].name, sp.F[s].graph), (sp.B[s].name, sp.B[s].graph)]
+        out += [(p.name, p.graph) for p in sp.mb_pieces()]
         return out + [(p.name, p.graph) for p in sp.tail]
 
     def outcome(self, leaves: list) -> sync.Outcome:
@@ -227,7 +226,7 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
     # each piece: the mode's passes (and no output shares storage with another:
     # the runtime keeps them apart)
     runners = {}
-    for piece in [*split.F.values(), *split.B.values(), split.pre, *split.tail]:
+    for piece in [*split.mb_pieces(), split.pre, *split.tail]:
         if piece is None:
             continue
         piece.graph = passes_and_finalize(piece.graph, mode, mesh, 0, False)
@@ -245,7 +244,7 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
     runner = PipelineRunner(split, plan, order, pp_rank, _pp_group(mesh, config.axis), metas,
                             offset, low.n_draws, runners)
     read_here = set()
-    for piece in [*split.F.values(), *split.B.values(), split.pre, *split.tail]:
+    for piece in [*split.mb_pieces(), split.pre, *split.tail]:
         if piece is not None:
             read_here.update(piece.inputs)
     for out, s in zip(split.outputs, split.out_stage):        # (inputs returned as they are)

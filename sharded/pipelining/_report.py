@@ -72,7 +72,7 @@ def report(split: Split, order: dict, graph: fx.GraphModule) -> dict:
         live: dict[int, int] = defaultdict(int)
         peak_bytes, peak_mb = 0, 0
         for a in actions:
-            live[a.stage] += 1 if a.kind == "F" else -1
+            live[a.stage] += 1 if a.kind == "F" else -1 if a.kind in ("B", "W") else 0
             now = sum(k * act[s] for s, k in live.items())
             peak_bytes = max(peak_bytes, now)
             peak_mb = max(peak_mb, sum(live.values()))

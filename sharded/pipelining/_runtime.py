@@ -62,7 +62,7 @@ class Plan:
             src = rank_of[stage[name]]
             for dst in sorted(self.mb_readers.get(name, ())):
                 if dst != src:
-                    self.sends_of[(stage[name], phase[name])].append((name, dst))
+                    self.sends_of[(stage[name], split.kind_of[name])].append((name, dst))
         # the messages each pair exchanges, in the sender's order (F/B first, then tail)
         self.queue: dict[tuple[int, int], list[tuple[str, int | None]]] = defaultdict(list)
         for src, actions in order.items():
@@ -130,7 +130,7 @@ class PipelineRunner:
         # the pieces that communicate (a collective inside): the agreement comes first
         self.communicating = {name for name, r in runners.items() if _has_collective(r)}
         self.m = split.config.microbatches
-        mine = [p for p in (*split.F.values(), *split.B.values())]
+        mine = split.mb_pieces()
         # local uses of each mb value (to free it after its last reader)
         self.uses: dict[str, int] = defaultdict(int)
         for p in mine:
@@ -236,7 +236,7 @@ class PipelineRunner:
         base_offset = env.get(self.offset_name) if self.offset_name else None
         runners = self.runners
         for a in self.actions:
-            piece = (split.F if a.kind == "F" else split.B)[a.stage]
+            piece = split.pieces[a.kind][a.stage]
             mb = a.mb
             args = []
             for kind, x, aux in self.arg_plan[piece.name]:
@@ -318,9 +318,8 @@ class PipelineRunner:
 def pieces_text(split: Split) -> list[str]:
     """The pieces of this rank, one line each (for Lowered and the digest)."""
     lines = []
-    for table in (split.F, split.B):
-        for s, p in sorted(table.items()):
-            lines.append(f"{p.name}: {len(p.graph.graph.nodes)} nodes, in {p.inputs}, out {p.outputs}")
+    for p in split.mb_pieces():
+        lines.append(f"{p.name}: {len(p.graph.graph.nodes)} nodes, in {p.inputs}, out {p.outputs}")
     if split.pre is not None:
         lines.append(f"pre: in {split.pre.inputs}, out {split.pre.outputs}")
     for p in split.tail:

@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from sharded._registry import META_DONATED, META_PATH
 from sharded.pipelining import _markers as M
+from sharded.pipelining import _schedules
 from sharded.pipelining._api import PipelineConfig
 
 PRE, MB, TAIL = "pre", "mb", "tail"
@@ -69,8 +70,8 @@ class Split:
     stage_of: dict[str, int | None]          # node name -> stage (None: anywhere)
     zone_of: dict[str, str]
     phase_of: dict[str, str]                 # mb nodes: "F" / "B"
-    F: dict[int, Piece] = field(default_factory=dict)
-    B: dict[int, Piece] = field(default_factory=dict)
+    kind_of: dict[str, str] = field(default_factory=dict)   # mb nodes: F, B (or I / W)
+    pieces: dict[str, dict[int, Piece]] = field(default_factory=dict)   # kind -> stage -> piece
     pre: Piece | None = None                 # this rank's
     tail: list[Piece] = field(default_factory=list)   # this rank's, per round
     accumulate: dict[str, str] = field(default_factory=dict)   # boundary node -> its mb input
@@ -82,6 +83,11 @@ class Split:
     rank_of_stage: dict[int, int] = field(default_factory=dict)
     boundaries: list = field(default_factory=list)    # chosen split indices
     param_stage: dict[str, int] = field(default_factory=dict)   # placeholder -> stage
+
+    def mb_pieces(self) -> list[Piece]:
+        """This rank's per-micro-batch pieces, by stage then kind."""
+        return [t[s] for s in sorted({s for t in self.pieces.values() for s in t})
+                for t in self.pieces.values() if s in t]
 
 
 def _inputs(n: fx.Node) -> list[fx.Node]:
@@ -142,7 +148,7 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
             f"{config.virtual} virtual stages = {n_stages} stages; "
             + ("add or remove pipe_split calls, or change virtual_stages." if forced else
                f"there are too few blocks to split into {n_stages} stages."))
-    rank_of_stage = {s: s % n_ranks for s in range(n_stages)}   # (looped placement, as torch's)
+    rank_of_stage = dict(enumerate(_stage_ranks(config.schedule, n_ranks, config.virtual)))
     step_of = {idx: k + 1 for k, idx in enumerate(chosen)}
 
     # -- stages of the micro-batch nodes --------------------------------------------
@@ -259,6 +265,11 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
             split.microbatch_inputs[n.name] = n.args[0].name
     _build_pieces(gm, split, rank)
     return split
+
+
+def _stage_ranks(schedule, n_ranks, virtual):     # TEMP until _schedules has it
+    f = getattr(_schedules, "stage_ranks", None)
+    return f(schedule, n_ranks, virtual) if f else [s % n_ranks for s in range(n_ranks * virtual)]
 
 
 def _where(n: fx.Node) -> str:
@@ -467,17 +478,27 @@ def _build_pieces(gm: fx.GraphModule, split: Split, rank: int) -> None:
     nodes = {n.name: n for n in g.nodes}
     zone, stage, phase = split.zone_of, split.stage_of, split.phase_of
     mine = {s for s, r in split.rank_of_stage.items() if r == rank}
-
-    def mb_nodes(s, ph):
-        return [n for n in g.nodes if zone[n.name] == MB and phase[n.name] == ph
-                and n.target is not M.MICROBATCH and (stage[n.name] == s or
-                (stage[n.name] is None and _needed_by(n, s, ph, zone, stage, phase)))]
-
+    _kinds(g, split)
+    kinds = ("F", "I", "W") if split.config.schedule in getattr(_schedules, 'ZERO_BUBBLE', ()) else ("F", "B")
+    kind = split.kind_of
+    for k in kinds:
+        split.pieces[k] = {}
     for s in sorted(mine):
-        for ph, table in (("F", split.F), ("B", split.B)):
-            members = mb_nodes(s, ph)
-            table[s] = _piece(gm, f"{ph}{s}", members, nodes, per_mb=True, stage=s,
-                              keep=lambda n, s=s, ph=ph: True)
+        for k in kinds:
+            core = {n.name for n in g.nodes if zone[n.name] == MB and stage[n.name] == s
+                    and kind.get(n.name) == k}
+            # stage-less micro-batch values (a backward's constants, a view of the
+            # targets) are computed in every piece that reads them
+            todo = [nodes[x] for x in core]
+            while todo:
+                for i in _inputs(todo.pop()):
+                    if zone[i.name] == MB and stage[i.name] is None and i.target is not M.MICROBATCH \
+                            and i.name not in core:
+                        core.add(i.name)
+                        todo.append(i)
+            members = [n for n in g.nodes if n.name in core]
+            split.pieces[k][s] = _piece(gm, f"{k}{s}", members, nodes, per_mb=True, stage=s,
+                                        keep=lambda n: True)
     # the tail, in rounds: a value read on another rank than the one computing it ends
     # a round
     rnd: dict[str, int] = {}
@@ -505,7 +526,7 @@ def _build_pieces(gm: fx.GraphModule, split: Split, rank: int) -> None:
                                  keep=lambda n: True))
     # the values before, this rank's: what its pieces read
     need: set[str] = set()
-    for p in [*split.F.values(), *split.B.values(), *split.tail]:
+    for p in [*split.mb_pieces(), *split.tail]:
         need.update(p.inputs)
         need.update(split.microbatch_inputs[x] for x in p.inputs if x in split.microbatch_inputs)
     for name, s in zip(split.outputs, split.out_stage):      # (outputs computed before)
@@ -515,14 +536,30 @@ def _build_pieces(gm: fx.GraphModule, split: Split, rank: int) -> None:
     split.pre = _piece(gm, "pre", pre_members, nodes, per_mb=False, stage=None, keep=lambda n: True)
 
 
-def _needed_by(n, s, ph, zone, stage, phase) -> bool:
-    """A stage-less micro-batch node (a constant of the backward) goes into every piece
-    that reads it."""
-    for u in n.users:
-        if zone.get(u.name) == MB and phase.get(u.name) == ph and (
-                stage.get(u.name) == s or (stage.get(u.name) is None and _needed_by(u, s, ph, zone, stage, phase))):
-            return True
-    return False
+def _kinds(g: fx.Graph, split: Split) -> None:
+    """Each micro-batch node's piece kind: "F" or "B"; under a zero-bubble schedule a
+    stage's backward is cut in two (Qi et al. 2023): "I", what the gradient it sends to
+    the previous stage needs, and "W", the rest (its parameters' gradients), which the
+    schedule may run later to fill the bubble."""
+    zone, stage, phase = split.zone_of, split.stage_of, split.phase_of
+    zb = split.config.schedule in getattr(_schedules, 'ZERO_BUBBLE', ())
+    for n in g.nodes:
+        if zone[n.name] == MB:
+            split.kind_of[n.name] = phase[n.name] if not zb or phase[n.name] == "F" else "W"
+    if not zb:
+        return
+    byname = {n.name: n for n in g.nodes}
+    todo = [n for n in g.nodes if zone[n.name] == MB and phase[n.name] == "B"
+            and stage[n.name] is not None
+            and any(zone.get(u.name) == MB and stage.get(u.name) not in (None, stage[n.name])
+                    for u in n.users)]
+    while todo:
+        n = todo.pop()
+        if split.kind_of[n.name] == "I":
+            continue
+        split.kind_of[n.name] = "I"
+        todo.extend(i for i in _inputs(byname[n.name]) if zone[i.name] == MB and phase[i.name] == "B"
+                    and stage[i.name] in (stage[n.name], None))
 
 
 def _needed_here(g, split: Split, rank: int) -> set[str]:
