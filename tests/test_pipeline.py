@@ -170,6 +170,26 @@ def _gather_outputs() -> dict:
     return _guarded(lambda: {"leaves": optree.tree_leaves(gather(p))})
 
 
+def _restaged() -> dict:
+    """On 4 ranks (pp=2 x dp=2, "shard"): steps split before block 2, then 1, then 2."""
+    from sharded import gather
+
+    def body():
+        mesh = Mesh((2, 2), ("pp", "dp"))
+        p, opt = init(), optim.adamw_init(init())
+        x, y = data()
+        specs = (P(), P(), P("dp"), P("dp"))
+        mode = DataParallelMode("shard", axis="dp")
+        at2 = pjit(make_step(2), in_specs=specs, mesh=mesh, mode=mode)
+        at1 = pjit(make_step(2, splits=(1,)), in_specs=specs, mesh=mesh, mode=mode)
+        losses = []
+        for step in (at2, at1, at2):
+            p, opt, loss, _ = step(p, opt, x, y)
+            losses.append(float(loss.full_tensor()))
+        return {"losses": losses, "leaves": optree.tree_leaves(gather(p))}
+    return _guarded(body)
+
+
 # -- bad inputs (2 ranks) ---------------------------------------------------------------------
 
 def _bad_step(kind: str):
@@ -213,10 +233,6 @@ def _bad_step(kind: str):
     elif kind == "params_over_pp":
         step = make_step(2)
         specs = (P("pp"), P(), P(), P())
-    elif kind == "restaged_state":           # state of a step split before block 2, fed to
-        first = pjit(make_step(2), in_specs=specs, mesh=mesh)   # one split before block 1
-        p, opt, _, _ = first(p, opt, x, y)
-        step = make_step(2, splits=(1,))
     else:
         raise AssertionError(kind)
     return pjit(step, in_specs=specs, mesh=mesh), (p, opt, x, y)
@@ -293,8 +309,8 @@ def _results(on_ranks, ws):
     if ws not in _RESULTS:
         if ws == "bad":
             _RESULTS[ws] = on_ranks(2, _bad_all, timeout=120.0)
-        elif ws == "restaged":     # (its failure closes the ranks' groups: a call of its own)
-            _RESULTS[ws] = on_ranks(2, _bad_all, ("restaged_state",), timeout=120.0)
+        elif ws == "restaged":
+            _RESULTS[ws] = on_ranks(4, _restaged, timeout=120.0)
         elif ws == "gather":
             _RESULTS[ws] = on_ranks(2, _gather_outputs, timeout=60.0)
         else:
@@ -475,15 +491,7 @@ BAD_EXPECT = {
     "stage_without_params": ("PipelineError", "read no parameters"),
     "no_pp_axis": ("PipelineError", "has no axis 'pp'"),
     "params_over_pp": ("PipelineError", "over the pipeline axis 'pp'"),
-    "restaged_state": ("PipelineError", "stage"),
 }
-RESTAGED_BUG = pytest.mark.xfail(strict=True, reason=(
-    "library bug: a pipelined step's state fed to a step with other split points fails "
-    "with \"RuntimeError: shape '[8, 8]' is invalid for input of size 0\" on the rank "
-    "that now owns a parameter (RankFailedError on the others), not a clear error "
-    "(repro: /tmp/pipe_bugs/restaged_state.py)"))
-
-
 @pytest.mark.parametrize("kind", BAD)
 def test_bad_pipeline_is_clear_error_on_every_rank(on_ranks, kind):
     """The issue's must-hold list (bad input is a clear error on every rank, not a hang):
@@ -500,15 +508,16 @@ def test_bad_pipeline_is_clear_error_on_every_rank(on_ranks, kind):
     _ok(res, "after")
 
 
-@RESTAGED_BUG
-def test_restaged_state_is_clear_error_on_every_rank(on_ranks):
-    """The issue's must-hold list (bad input is a clear error on every rank) and
-    docs/pipeline.md ("Feeding state back": the next call takes the slice DTensors as
-    they came out): one step's stage state (split before block 2) fed to a step split
-    before block 1, where block 1's parameters change stage, is a clear error on every
-    rank."""
+def test_state_moves_to_its_new_stage_when_the_splits_move(on_ranks):
+    """docs/pipeline.md ("Feeding state back"): one step's stage state (split before
+    block 2) fed to a step split before block 1, then back, on pp=2 x dp=2 under
+    DataParallelMode("shard"): block 1's parameters and moments move from stage 0's
+    ranks to stage 1's (each dp shard to its counterpart) and back; the three steps'
+    losses and the final parameters equal one device's."""
     res = _results(on_ranks, "restaged")
-    typ, phrase = BAD_EXPECT["restaged_state"]
+    ref_losses, ref_leaves = reference({"m": 2, "steps": 3})
     for k, r in enumerate(res):
-        msg = r["restaged_state"]
-        assert msg.startswith(typ + ":") and phrase in msg, (k, msg)
+        assert "error" not in r, f"rank {k}: {r.get('error')}"
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor([l for l, _ in ref_losses]))
+        for a, b in zip(r["leaves"], ref_leaves, strict=True):
+            torch.testing.assert_close(a, b)

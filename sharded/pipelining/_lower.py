@@ -73,7 +73,6 @@ class PipelinedForward(Forward):
     in_local_meta: list = field(default_factory=list)   # per tensor input: its local shape and dtype
     out_owner: list = field(default_factory=list)   # per tensor output: stage coordinate or None
     stage_specs: list = field(default_factory=list)  # per tensor output: DTensorSpec on its slice
-    draws_per_call: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -126,10 +125,6 @@ class PipelinedForward(Forward):
                 check_on_mesh(leaf, self.mesh, self.in_paths[i], self.name, stage_slices=True)
         return self.steady_outcome(plain, leaves)
 
-    def random_state(self):
-        from sharded import random as srandom
-        return srandom._call_state() if self.draws_per_call else None
-
     def run(self, leaves: list, shards: list | None = None,
             agreement: sync.Agreement | None = None) -> Any:
         locals_: list = []
@@ -167,9 +162,7 @@ class PipelinedForward(Forward):
             for k in self.donated_local:
                 if locals_[k] is not None:
                     locals_[k] = present[k]
-        if self.draws_per_call:
-            from sharded import random as srandom
-            locals_.extend(srandom._take(self.draws_per_call, self.rng_device))
+        self.with_random_inputs(locals_)     # ((m + 1) x the traced program's draws)
         try:
             outs = self.runner(*locals_, agreement=agreement)
         except BaseException:
@@ -297,13 +290,15 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
         global_graph=global_gm, local_graph=local, runner=runner, mesh=mesh, name=name,
         in_plan=in_plan, in_paths=inp.leaf_paths, in_specs=in_specs, out_treedef=out_treedef,
         out_plan=out_plan, out_placements=low.out_placements, layouts=low.layouts,
-        n_draws=0, rng_device=mesh_device(mesh) if low.n_draws else None,
+        # micro-batch j draws at offset + j x d (d: the traced program's draws), the
+        # pieces after them at offset + m x d
+        n_draws=low.n_draws * (config.microbatches + 1),
+        rng_device=mesh_device(mesh) if low.n_draws else None,
         program=sync.token(*text), lines=lines, times={"trace": trace_s, **low.times},
         n_tensor_out=len(out_specs),
         split=split, order=order, pp_axis=config.axis, pp_rank=pp_rank, needed=needed,
         out_owner=out_owner, stage_specs=stage_specs, in_owner=in_owner,
         in_local_meta=[ph.meta["val"] for ph in placeholders[:n_inputs]],
-        draws_per_call=low.n_draws * (config.microbatches + 1),
         donated=donated, donated_local=donated_local,
         donated_msgs=[f"{inp.leaf_paths[j]} was donated to {name}; use the returned value"
                       for j in donated],

@@ -223,6 +223,9 @@ class PipelineRunner:
         self._expected = {src: deque(plan.queue.get((src, self.rank), ()))
                           for src in range(split.n_ranks)}
         env: dict[str, Any] = dict(zip(split.placeholders, inputs))
+        base_offset = env.get(self.offset_name) if self.offset_name else None
+        if base_offset is not None:     # (micro-batch j draws at base + j d; the rest after)
+            env[self.offset_name] = base_offset + self.m * self.n_draws
         self.device = next((x.device for x in inputs if isinstance(x, torch.Tensor)),
                            torch.device("cpu"))
         pre = split.pre
@@ -233,7 +236,6 @@ class PipelineRunner:
         left: dict[tuple[str, int], int] = {}
         acc: dict[str, Any] = {}
         owned: set[str] = set()
-        base_offset = env.get(self.offset_name) if self.offset_name else None
         runners = self.runners
         for a in self.actions:
             piece = split.pieces[a.kind][a.stage]

@@ -339,9 +339,10 @@ def _even_split(g, zone, phase, candidates: list[int], n_stages: int) -> list[in
         return []
     if len(candidates) + 1 < n_stages:
         raise PipelineError(
-            f"{n_stages} stages were asked for but the model has only {len(candidates) + 1} "
-            f"blocks to split between them (more stages than blocks): use fewer pp ranks "
-            f"or virtual stages, or a deeper model.")
+            f"{n_stages} stages were asked for but the model's {len(candidates)} candidate "
+            f"split points (pipe_split(h, auto=True), or blocks=) cut it into only "
+            f"{len(candidates) + 1} pieces (more stages than blocks): use fewer pp ranks or "
+            f"virtual stages, or a deeper model.")
     seg: dict[str, int] = {}
     counted: set[str] = set()
     cost = [0.0] * (len(candidates) + 1)
