@@ -48,13 +48,28 @@ class Lowered:
         self.pipeline = compiled.pipeline_report() if hasattr(compiled, "pipeline_report") else None
 
     def collectives(self):
-        """Each collective of this rank's program, in program order."""
+        """Each collective of this rank's program, in program order (a pipelined
+        step: of its pieces, in the order a step meets them; a micro-batch's piece
+        runs once per micro-batch)."""
+        if self.pipeline is not None:
+            return [c for _, gm in self._c.pieces() for c in collectives(gm, self.mesh)]
         return collectives(self.local_graph, self.mesh)
 
     def cost(self, by: str = "kind") -> dict:
         """Collectives per call on this rank, by kind (``by="axis"``: by mesh axis),
-        each ``{"count", "bytes", "wire_bytes"}``, and their ``"total"``."""
-        return cost(self.local_graph, self.mesh, by)
+        each ``{"count", "bytes", "wire_bytes"}``, and their ``"total"`` (a pipelined
+        step: its pieces', a micro-batch's counted once per micro-batch)."""
+        if self.pipeline is None:
+            return cost(self.local_graph, self.mesh, by)
+        out: dict = {"total": {"count": 0, "bytes": 0, "wire_bytes": 0}}
+        m = self.pipeline["microbatches"]
+        for name, gm in self._c.pieces():
+            times = m if name[0] in "FBIW" else 1
+            for key, c in cost(gm, self.mesh, by).items():
+                acc = out.setdefault(key, dict.fromkeys(c, 0))
+                for k, v in c.items():
+                    acc[k] += v * times
+        return out
 
     def memory(self) -> dict:
         """This rank's memory while it runs the program, estimated from the local
@@ -62,7 +77,13 @@ class Lowered:
         batch), ``output_bytes`` (new outputs), ``peak_bytes`` (the most alive at once:
         inputs plus every intermediate from its allocation to its last use, as the
         generated code frees it) and ``peak_node``. Lowering runs nothing, so this
-        works on ``Mesh.abstract`` meshes of any size and with meta-tensor inputs."""
+        works on ``Mesh.abstract`` meshes of any size and with meta-tensor inputs.
+        A pipelined step: this rank's estimate from ``pipeline`` (its stages' state
+        plus the activations of the micro-batches it holds at once)."""
+        if self.pipeline is not None:
+            r = self.pipeline["ranks"][self._c.pp_rank]
+            return {"input_bytes": r["state_bytes"], "output_bytes": r["state_bytes"],
+                    "peak_bytes": r["bytes_estimate"], "peak_node": None}
         return memory(self.local_graph)
 
     def compile_times(self) -> dict:
