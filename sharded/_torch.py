@@ -743,6 +743,12 @@ def donated_message(dt: DTensor) -> str | None:
 _ABSTRACT_IDS = iter(range(-1, -(2 ** 62), -1))
 
 
+def op_name(target) -> str | None:
+    """The qualified name of an op overload's schema (``"aten::_fused_adamw"``), or
+    None for anything else."""
+    return target._schema.name if isinstance(target, OpOverload) else None
+
+
 def device_mesh_without_groups(device_type: str, grid: torch.Tensor, names, rank: int):
     """A DeviceMesh over ``grid``'s ranks with no process groups (NOTE [Stage slices] in
     sharded/mesh.py): DTensors on it hold empty local tensors on the other ranks."""

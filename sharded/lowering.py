@@ -153,7 +153,8 @@ def build_forward(arguments: Arguments, mode: ParallelMode, sig: Signature, args
     if is_pipelined(global_gm):            # pipeline(loss_fn) inside: docs/pipeline.md
         return build_pipelined(arguments=arguments, mode=mode, sig=sig, args=args,
                                run_state=run_state, global_gm=global_gm, inp=inp,
-                               out_info=out_info, trace_s=trace_s)
+                               out_info=out_info, trace_s=trace_s, lower_graph=lower_graph,
+                               passes_and_finalize=passes_and_finalize, dtensor_spec=_dtensor_spec)
     joint = global_gm.meta.get("joint")
     backward_gm = None
     if joint is not None:          # NOTE [pjit under autograd]

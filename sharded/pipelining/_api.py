@@ -24,7 +24,7 @@ import torch
 
 from sharded import _manual
 from sharded._trace_state import in_global_trace
-from sharded.pipelining import _markers
+from sharded.pipelining import _markers, _schedules
 
 _STATE = threading.local()
 
@@ -108,7 +108,6 @@ def pipeline(fn: Callable | None = None, /, *, microbatches: int, schedule: str 
         raise ValueError(f"pipeline: microbatches must be an int >= 1; got {microbatches!r}.")
     if not (isinstance(virtual_stages, int) and virtual_stages >= 1):
         raise ValueError(f"pipeline: virtual_stages must be an int >= 1; got {virtual_stages!r}.")
-    from sharded.pipelining import _schedules
     schedule = _schedules.normalize(schedule)
     if virtual_stages > 1 and schedule in ("GPipe", "1F1B"):
         raise ValueError(f"pipeline: schedule {schedule!r} runs one stage per rank; for "

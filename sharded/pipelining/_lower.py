@@ -184,10 +184,11 @@ class PipelinedForward(Forward):
 
 
 def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.GraphModule,
-                    inp, out_info: dict, trace_s: float) -> PipelinedForward:
-    """The pipelined counterpart of ``lowering.build_forward`` (after the trace)."""
-    from sharded.lowering import _dtensor_spec, lower_graph, passes_and_finalize
-
+                    inp, out_info: dict, trace_s: float, lower_graph, passes_and_finalize,
+                    dtensor_spec) -> PipelinedForward:
+    """The pipelined counterpart of ``lowering.build_forward`` (after the trace), which
+    passes its own steps in (``lower_graph``, ``passes_and_finalize``, ``dtensor_spec``:
+    sharded/lowering.py calls this module, not the other way round)."""
     name, mesh = arguments.name, sig.mesh
     config = config_of(global_gm)
     if global_gm.meta.get("joint") is not None:
@@ -267,7 +268,7 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
             val = gv.meta["val"]
             stage_specs.append(_torch.build_dtensor_spec(stage_slice(mesh, config.axis, owner), rest,
                                                          val.shape, val.stride(), val.dtype))
-    out_dt_specs = [_dtensor_spec(mesh, pl, v) for v, pl in zip(global_out, low.out_placements)]
+    out_dt_specs = [dtensor_spec(mesh, pl, v) for v, pl in zip(global_out, low.out_placements)]
     in_placements, in_specs = inp.placements, inp.specs
     if low.in_placements is not None:       # the mode laid the inputs out itself
         in_placements = list(low.in_placements[:len(in_placements)])

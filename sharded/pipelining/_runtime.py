@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from sharded import _torch, sync
+from sharded.pipelining._markers import MICROBATCH
 from sharded.pipelining._schedules import Action
 from sharded.pipelining._split import MB, PRE, TAIL, Split
 
@@ -47,7 +48,7 @@ class Plan:
         # mb values: the ranks that read each (by their readers' stages)
         self.mb_readers: dict[str, set[int]] = defaultdict(set)
         for name, node in graph_nodes.items():
-            if zone.get(name) != MB or node.target is _microbatch_op():
+            if zone.get(name) != MB or node.target is MICROBATCH:
                 continue
             for u in node.users:
                 su = stage.get(u.name)
@@ -104,11 +105,6 @@ class Plan:
 def _has_collective(runner) -> bool:
     graph = runner.graph if isinstance(runner, torch.fx.GraphModule) else runner.graph.graph
     return any(n.op == "call_function" and n.target in _torch.COLLECTIVE_OPS for n in graph.nodes)
-
-
-def _microbatch_op():
-    from sharded.pipelining._markers import MICROBATCH
-    return MICROBATCH
 
 
 def _is_scalar(node) -> bool:

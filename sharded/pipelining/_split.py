@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from sharded import _torch
 from sharded._registry import META_DONATED, META_PATH
 from sharded.pipelining import _markers as M
 from sharded.pipelining import _schedules
@@ -391,10 +392,10 @@ _FOREACH_PREFIXES = ("_foreach_", "_fused_")
 
 
 def _is_list_op(n: fx.Node) -> bool:
-    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+    name = _torch.op_name(n.target) if n.op == "call_function" else None
+    if name is None:
         return False
-    name = n.target._schema.name.split("::")[-1]
-    return name.startswith(_FOREACH_PREFIXES) or n.target._schema.name == "sharded::sum_of_squares"
+    return name.split("::")[-1].startswith(_FOREACH_PREFIXES) or name == "sharded::sum_of_squares"
 
 
 def _cut_list_op(g: fx.Graph, n: fx.Node, zone, stage, owner) -> bool:
@@ -413,7 +414,7 @@ def _cut_list_op(g: fx.Graph, n: fx.Node, zone, stage, owner) -> bool:
     groups = sorted({s for s in per if s is not None})
     if len(groups) <= 1:
         return False
-    is_sos = n.target._schema.name == "sharded::sum_of_squares"
+    is_sos = _torch.op_name(n.target) == "sharded::sum_of_squares"
     val = n.meta.get("val")
     nested = isinstance(val, (list, tuple)) and bool(val) and isinstance(val[0], (list, tuple))
     parts = []
