@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from sharded import Mesh, P, optim, pipe_split, pipeline, pjit, shard_map
 from sharded import random as srandom
 from sharded.modes import DataParallelMode, DTensorExpandMode
+from sharded.pipelining._schedules import stage_ranks
 
 D, HID, N_CLASSES, BATCH = 8, 16, 3, 8
 
@@ -273,6 +274,15 @@ CASES_2 = {
                               "splits": (1, 2, 3)},
     "LoopedBFS_v2_m1": {**PP, "m": 1, "schedule": "LoopedBFS", "virtual": 2, "splits": (1, 2, 3)},
     "1F1B_m4_clip": {**PP, "m": 4, "clip": True},
+    # zero-bubble (Qi et al. 2023): each backward cut into its input and weight parts;
+    # ZBV's V places stages 1 and 2 on rank 1 (no message between them)
+    "InterleavedZeroBubble_m4": {**PP, "m": 4, "schedule": "InterleavedZeroBubble"},
+    "InterleavedZeroBubble_v2_m4": {**PP, "m": 4, "schedule": "InterleavedZeroBubble",
+                                    "virtual": 2, "splits": (1, 2, 3)},
+    "ZBVZeroBubble_m4_clip": {**PP, "m": 4, "schedule": "ZBVZeroBubble", "virtual": 2,
+                              "splits": (1, 2, 3), "clip": True},
+    "ZBVZeroBubble_m1": {**PP, "m": 1, "schedule": "ZBVZeroBubble", "virtual": 2,
+                         "splits": (1, 2, 3)},
     # candidate splits (pipe_split(h, auto=True)) before blocks 1, 2, 3: the lowering picks
     "auto_split_1F1B_m2": {**PP, "m": 2, "splits": (1, 2, 3), "auto": True},
     "auto_split_Interleaved1F1B_v2_m2": {**PP, "m": 2, "splits": (1, 2, 3), "auto": True,
@@ -363,7 +373,8 @@ def _pp_coords(case: dict) -> list[int]:
 @pytest.mark.parametrize("name", [n for n in CASES_2 if not n.startswith("dropout")])
 def test_pp2_equals_one_device(on_ranks, name):
     """The issue's must-hold list (pp=2: micro-batch counts 1, 2, 4, 8 with 1F1B; GPipe;
-    Interleaved1F1B and LoopedBFS with 2 virtual stages; clip_by_global_norm in the step),
+    Interleaved1F1B and LoopedBFS with 2 virtual stages; clip_by_global_norm in the step;
+    torch's zero-bubble schedules InterleavedZeroBubble and ZBVZeroBubble),
     as torch's test_schedule.py ScheduleTest checks each schedule against one device;
     ``*_v2_m1``: one micro-batch for 4 stages (torchtitan issue 775 hung there). Losses
     (and the clipped norm) over 2 steps and the final parameters equal one device's;
@@ -372,7 +383,8 @@ def test_pp2_equals_one_device(on_ranks, name):
     _check_equal_one_device(_results(on_ranks, 2), name, CASES_2[name])
 
 
-@pytest.mark.parametrize("name", ["1F1B_m4", "Interleaved1F1B_v2_m4", "1F1B_m4_clip"])
+@pytest.mark.parametrize("name", ["1F1B_m4", "Interleaved1F1B_v2_m4", "1F1B_m4_clip",
+                                  "ZBVZeroBubble_m4_clip"])
 def test_pp2_state_lives_on_its_stage(on_ranks, name):
     """The issue's must-hold list: each rank holds only its stages' parameters and AdamW
     moments (the other stages' leaves are empty locally), so the ranks' local elements add
@@ -381,10 +393,12 @@ def test_pp2_state_lives_on_its_stage(on_ranks, name):
     case = CASES_2[name]
     stages = _leaf_stages(case)
     total = [t.numel() for t in optree.tree_leaves(init())]
+    # (looped placement, stage s on rank s % 2; ZBV's V: stages 0..3 on ranks 0, 1, 1, 0)
+    rank_of = stage_ranks(case.get("schedule", "1F1B"), 2, case.get("virtual", 1))
     for key in ("p_local", "m_local", "v_local"):
         for rank, r in enumerate(rs):
             for i, (n, s) in enumerate(zip(r[key], stages)):
-                assert (n > 0) == (s % 2 == rank), (key, rank, i, s, r[key])
+                assert (n > 0) == (rank_of[s] == rank), (key, rank, i, s, r[key])
         assert [sum(r[key][i] for r in rs) for i in range(len(total))] == total, key
     assert all(r["step_local"] == 1 for r in rs)
     assert all(r["loss_mesh"] == (0, 1) for r in rs)

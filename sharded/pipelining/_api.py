@@ -89,8 +89,10 @@ def pipeline(fn: Callable | None = None, /, *, microbatches: int, schedule: str 
     - ``microbatches``: the batch arguments (every argument after ``params``) are split
       into this many micro-batches along dim 0 (on each data-parallel rank, its own
       rows); the result is the mean of ``fn`` over them.
-    - ``schedule``: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"`` or ``"LoopedBFS"``
-      (torch.distributed.pipelining's schedules; docs/pipeline.md).
+    - ``schedule``: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``,
+      ``"InterleavedZeroBubble"`` or ``"ZBVZeroBubble"`` (torch.distributed.pipelining's
+      schedules; the zero-bubble ones cut each backward into its input and weight
+      parts; docs/pipeline.md).
     - ``virtual_stages``: stages per pp rank (2 or more for the interleaved schedules).
     - Stage boundaries: ``pipe_split(h)`` calls inside ``fn``; or ``split_before``,
       modules whose inputs start a stage; or ``blocks``, a ModuleList (or list of
@@ -109,6 +111,9 @@ def pipeline(fn: Callable | None = None, /, *, microbatches: int, schedule: str 
     if not (isinstance(virtual_stages, int) and virtual_stages >= 1):
         raise ValueError(f"pipeline: virtual_stages must be an int >= 1; got {virtual_stages!r}.")
     schedule = _schedules.normalize(schedule)
+    if schedule == "ZBVZeroBubble" and virtual_stages != 2:
+        raise ValueError(f"pipeline: 'ZBVZeroBubble' places two stages on each rank (a V); "
+                         f"use virtual_stages=2 (got {virtual_stages}).")
     if virtual_stages > 1 and schedule in ("GPipe", "1F1B"):
         raise ValueError(f"pipeline: schedule {schedule!r} runs one stage per rank; for "
                          f"virtual_stages={virtual_stages} use 'Interleaved1F1B' or 'LoopedBFS'.")

@@ -278,7 +278,6 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
     dt_specs = iter(out_dt_specs)
     out_plan = [("static", v) if not isinstance(v, torch.Tensor) else ("dtensor", next(dt_specs))
                 for v in out_leaves]
-    schedule_text = _schedules.format_transfers(_schedules.transfers(order, n_ranks, config.virtual))
     text = (["pipeline: " + config.text(), f"stages {split.n_stages} boundaries {split.boundaries}"]
             + [f"input {p}" for p in inp.paths] + ["global program:"] + global_text
             + ["cut:"] + [f"{n} {split.zone_of[n]} {split.stage_of.get(n)} {split.phase_of.get(n, '')}"
@@ -304,7 +303,6 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
         donated_msgs=[f"{inp.leaf_paths[j]} was donated to {name}; use the returned value"
                       for j in donated],
     )
-    entry.schedule_text = schedule_text          # type: ignore[attr-defined]
     return entry
 
 

@@ -83,8 +83,9 @@ def report(split: Split, order: dict, graph: fx.GraphModule) -> dict:
                       "bytes_estimate": st_bytes + peak_bytes})
     f = max(sum(fflops) / S, 1.0)
     b = max(sum(bflops) / S, 1.0)
+    placement = [split.rank_of_stage[s] for s in range(S)]
     sim = _schedules.simulate(order, split.n_ranks, cfg.microbatches, cfg.virtual,
-                              f_cost=1.0, b_cost=b / f)
+                              f_cost=1.0, b_cost=b / f, placement=placement)
     return {
         "schedule": cfg.schedule, "pp": split.n_ranks, "virtual_stages": cfg.virtual,
         "microbatches": cfg.microbatches, "n_stages": S, "boundaries": list(split.boundaries),
@@ -92,7 +93,8 @@ def report(split: Split, order: dict, graph: fx.GraphModule) -> dict:
         "bubble_theory": _schedules.theory_bubble(cfg.schedule, split.n_ranks, cfg.microbatches,
                                                   cfg.virtual),
         "bubble_simulated": sim.bubble,
-        "transfers": _schedules.format_transfers(_schedules.transfers(order, split.n_ranks, cfg.virtual)),
+        "transfers": _schedules.format_transfers(_schedules.transfers(order, split.n_ranks, cfg.virtual,
+                                                                      placement=placement)),
     }
 
 

@@ -149,7 +149,7 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
             f"{config.virtual} virtual stages = {n_stages} stages; "
             + ("add or remove pipe_split calls, or change virtual_stages." if forced else
                f"there are too few blocks to split into {n_stages} stages."))
-    rank_of_stage = dict(enumerate(_stage_ranks(config.schedule, n_ranks, config.virtual)))
+    rank_of_stage = dict(enumerate(_schedules.stage_ranks(config.schedule, n_ranks, config.virtual)))
     step_of = {idx: k + 1 for k, idx in enumerate(chosen)}
 
     # -- stages of the micro-batch nodes --------------------------------------------
@@ -266,11 +266,6 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
             split.microbatch_inputs[n.name] = n.args[0].name
     _build_pieces(gm, split, rank)
     return split
-
-
-def _stage_ranks(schedule, n_ranks, virtual):     # TEMP until _schedules has it
-    f = getattr(_schedules, "stage_ranks", None)
-    return f(schedule, n_ranks, virtual) if f else [s % n_ranks for s in range(n_ranks * virtual)]
 
 
 def _where(n: fx.Node) -> str:
@@ -481,7 +476,7 @@ def _build_pieces(gm: fx.GraphModule, split: Split, rank: int) -> None:
     zone, stage, phase = split.zone_of, split.stage_of, split.phase_of
     mine = {s for s, r in split.rank_of_stage.items() if r == rank}
     _kinds(g, split)
-    kinds = ("F", "I", "W") if split.config.schedule in getattr(_schedules, 'ZERO_BUBBLE', ()) else ("F", "B")
+    kinds = ("F", "I", "W") if split.config.schedule in _schedules.ZERO_BUBBLE else ("F", "B")
     kind = split.kind_of
     for k in kinds:
         split.pieces[k] = {}
@@ -544,7 +539,7 @@ def _kinds(g: fx.Graph, split: Split) -> None:
     the previous stage needs, and "W", the rest (its parameters' gradients), which the
     schedule may run later to fill the bubble."""
     zone, stage, phase = split.zone_of, split.stage_of, split.phase_of
-    zb = split.config.schedule in getattr(_schedules, 'ZERO_BUBBLE', ())
+    zb = split.config.schedule in _schedules.ZERO_BUBBLE
     for n in g.nodes:
         if zone[n.name] == MB:
             split.kind_of[n.name] = phase[n.name] if not zb or phase[n.name] == "F" else "W"
