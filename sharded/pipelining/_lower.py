@@ -248,15 +248,15 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
     needed = [p.name in read_here for p in placeholders[:n_inputs]]
     in_owner = []
     for ph in placeholders[:n_inputs]:
-        stages = {split.stage_of.get(u.name) for u in ph.users} | (
-            {split.param_stage[ph.name]} if ph.name in split.param_stage else set())
-        stages.discard(None)
-        ranks_ = {split.rank_of_stage[s_] for s_ in stages}
+        ranks_ = {r for r in (split.rank_of(u.name) for u in ph.users) if r is not None}
+        if ph.name in split.param_stage:
+            ranks_.add(split.rank_of_stage[split.param_stage[ph.name]])
         in_owner.append(ranks_.pop() if len(ranks_) == 1 else None)
 
     out_vals = list(next(n for n in reversed(local.graph.nodes) if n.op == "output").args[0])
     global_out = list(next(n for n in reversed(global_gm.graph.nodes) if n.op == "output").args[0])
-    out_owner, stage_specs = [], []
+    out_owner: list = []
+    stage_specs: list = []
     for v, s, gv, pl in zip(out_vals, split.out_stage, global_out, low.out_placements):
         scalar = isinstance(v, fx.Node) and v.meta["val"].numel() == 1
         owner = None if (s is None or scalar) else split.rank_of_stage[s]

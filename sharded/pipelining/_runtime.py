@@ -58,12 +58,12 @@ class Plan:
         # per (stage, phase): the values it sends, in program order
         self.sends_of: dict[tuple, list[tuple[str, int]]] = defaultdict(list)
         for name, node in graph_nodes.items():
-            if zone.get(name) != MB or stage.get(name) is None:
+            st = stage.get(name)
+            if zone.get(name) != MB or st is None:
                 continue
-            src = rank_of[stage[name]]
             for dst in sorted(self.mb_readers.get(name, ())):
-                if dst != src:
-                    self.sends_of[(stage[name], split.kind_of[name])].append((name, dst))
+                if dst != rank_of[st]:
+                    self.sends_of[(st, split.kind_of[name])].append((name, dst))
         # the messages each pair exchanges, in the sender's order (F/B first, then tail)
         self.queue: dict[tuple[int, int], list[tuple[str, int | None]]] = defaultdict(list)
         for src, actions in order.items():
@@ -72,11 +72,12 @@ class Plan:
                     self.queue[(src, dst)].append((name, a.mb))
         # tail values: read on another rank than the one computing them
         self.tail_sends: dict[int, list[tuple[str, int]]] = defaultdict(list)   # round -> (name, dst)
-        rnd = split.tail_round       # type: ignore[attr-defined]
+        rnd = split.tail_round
         for name, node in graph_nodes.items():
-            if zone.get(name) != TAIL or node.op == "output" or stage.get(name) is None:
+            src_ = split.rank_of(name)
+            if zone.get(name) != TAIL or node.op == "output" or src_ is None:
                 continue
-            src = rank_of[stage[name]]
+            src = src_
             for dst, needed in tail_needed.items():
                 if dst == src:
                     continue
@@ -208,6 +209,8 @@ class PipelineRunner:
             sync.agreed(agreement)
 
     # -- one step -------------------------------------------------------------------
+    _agreement: Any = None        # the call's, until checked (_before)
+
     def __call__(self, *inputs, agreement=None):
         split, plan = self.split, self.plan
         self._agreement = agreement

@@ -32,6 +32,7 @@ from __future__ import annotations
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -84,6 +85,13 @@ class Split:
     rank_of_stage: dict[int, int] = field(default_factory=dict)
     boundaries: list = field(default_factory=list)    # chosen split indices
     param_stage: dict[str, int] = field(default_factory=dict)   # placeholder -> stage
+    tail_round: dict[str, int] = field(default_factory=dict)    # tail node -> its round
+    tail_needed: dict[int, set] = field(default_factory=dict)   # rank -> tail nodes it computes
+
+    def rank_of(self, node: str) -> int | None:
+        """The pp rank that computes ``node`` (None: every rank that reads it)."""
+        st = self.stage_of.get(node)
+        return None if st is None else self.rank_of_stage[st]
 
     def mb_pieces(self) -> list[Piece]:
         """This rank's per-micro-batch pieces, by stage then kind."""
@@ -154,30 +162,26 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
 
     # -- stages of the micro-batch nodes --------------------------------------------
     stage: dict[str, int | None] = {}
-    split_in: dict[int, int] = {}
     for n in g.nodes:
         if zone[n.name] != MB:
             continue
-        ins = [stage[i.name] for i in _inputs(n) if zone[i.name] == MB and stage.get(i.name) is not None]
-        s = max(ins) if ins else None
+        staged: list[int] = [v_ for v_ in (stage.get(i.name) for i in _inputs(n) if zone[i.name] == MB)
+                             if v_ is not None]
+        st: int | None = max(staged) if staged else None
+        index: Any = n.args[1] if len(n.args) > 1 else None
         if n.target is M.MICROBATCH:
-            s = None
-        elif n.target is M.SPLIT and n.args[1] in step_of:
-            prev = 0 if s is None else s
-            split_in.setdefault(n.args[1], prev)
-            s = step_of[n.args[1]]
-            if prev != s - 1:
-                raise PipelineError(f"pipe_split boundary {n.args[1]} is crossed from stage {prev}; "
+            st = None
+        elif n.target is M.SPLIT and index in step_of:
+            prev = 0 if st is None else st
+            st = step_of[index]
+            if prev != st - 1:
+                raise PipelineError(f"pipe_split boundary {index} is crossed from stage {prev}; "
                                     f"the splits must be crossed in order.")
-        elif n.target is M.SPLIT_GRAD and n.args[1] in step_of:
-            s = step_of[n.args[1]] - 1
-        elif phase[n.name] == "F" and s is None and n.target is not M.MICROBATCH:
-            s = 0 if any(zone[i.name] == MB for i in _inputs(n)) else None
-        stage[n.name] = s
-    # the loss's backward seed enters the last stage
-    for n in g.nodes:
-        if zone[n.name] == MB and stage[n.name] is None and phase[n.name] == "B":
-            stage[n.name] = None      # free: constants of the backward (rare)
+        elif n.target is M.SPLIT_GRAD and index in step_of:
+            st = step_of[index] - 1
+        elif phase[n.name] == "F" and st is None:
+            st = 0 if any(zone[i.name] == MB for i in _inputs(n)) else None
+        stage[n.name] = st
 
     # -- the stages of the values before: the stage of their readers ---------------------
     readers: dict[str, set] = defaultdict(set)
@@ -205,8 +209,9 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
                     f"one stage (tied weights, or a value used after a pipe_split without "
                     f"passing through it). Untie it, or keep all its uses in one stage.")
             if rs:
-                stage[n.name] = next(iter(rs))
-                param_stage[n.args[0].name] = stage[n.name]
+                owner_stage = next(iter(rs))
+                stage[n.name] = owner_stage
+                param_stage[_arg_node(n, 0).name] = owner_stage
 
     empty = sorted(set(range(n_stages)) - set(param_stage.values()))
     if empty:
@@ -266,6 +271,13 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
             split.microbatch_inputs[n.name] = n.args[0].name
     _build_pieces(gm, split, rank)
     return split
+
+
+def _arg_node(n: fx.Node, k: int) -> fx.Node:
+    """The node ``n`` takes as its argument ``k`` (a mark's input)."""
+    a = n.args[k]
+    assert isinstance(a, fx.Node), (n, k)
+    return a
 
 
 def _where(n: fx.Node) -> str:
@@ -372,10 +384,10 @@ def _even_split(g, zone, phase, candidates: list[int], n_stages: int) -> list[in
     best[0][0] = 0.0
     for k in range(1, n_stages + 1):
         for j in range(k, n - (n_stages - k) + 1):
-            for i in range(k - 1, j):
-                v = max(best[k - 1][i], prefix[j] - prefix[i])
+            for c in range(k - 1, j):
+                v = max(best[k - 1][c], prefix[j] - prefix[c])
                 if v < best[k][j]:
-                    best[k][j], cut[k][j] = v, i
+                    best[k][j], cut[k][j] = v, c
     chosen, j = [], n
     for k in range(n_stages, 1, -1):
         j = cut[k][j]
@@ -397,27 +409,29 @@ def _cut_list_op(g: fx.Graph, n: fx.Node, zone, stage, owner) -> bool:
     """A list op (a fused optimizer, a foreach op, the global norm's sum of squares)
     over tensors of several stages becomes one op per stage (each given its stage);
     False if ``n`` is within one stage."""
-    lists = [k for k, a in enumerate(n.args) if isinstance(a, (list, tuple)) and a
+    nargs: Any = n.args
+    target: Any = n.target
+    lists = [k for k, a in enumerate(nargs) if isinstance(a, (list, tuple)) and a
              and all(isinstance(x, fx.Node) for x in a)]
     if not lists:
         return False
-    length = len(n.args[lists[0]])
+    length = len(nargs[lists[0]])
     per = []
     for j in range(length):
-        ss = {owner(n.args[k][j]) for k in lists if j < len(n.args[k])} - {None}
+        ss = {owner(nargs[k][j]) for k in lists if j < len(nargs[k])} - {None}
         per.append(max(ss) if ss else None)
     groups = sorted({s for s in per if s is not None})
     if len(groups) <= 1:
         return False
     is_sos = _torch.op_name(n.target) == "sharded::sum_of_squares"
-    val = n.meta.get("val")
+    val: Any = n.meta.get("val")
     nested = isinstance(val, (list, tuple)) and bool(val) and isinstance(val[0], (list, tuple))
     parts = []
     with g.inserting_before(n):
         for s in groups:
             idx = [j for j in range(length) if per[j] == s or (per[j] is None and s == groups[-1])]
-            args = [([a[j] for j in idx] if k in lists else a) for k, a in enumerate(n.args)]
-            new = g.call_function(n.target, tuple(args), dict(n.kwargs))
+            args = [([a[j] for j in idx] if k in lists else a) for k, a in enumerate(nargs)]
+            new = g.call_function(target, tuple(args), dict(n.kwargs))
             if is_sos:
                 new.meta["val"] = val
             elif nested:
@@ -455,11 +469,11 @@ def _cut_list_op(g: fx.Graph, n: fx.Node, zone, stage, owner) -> bool:
                 if user2.target is not operator.getitem:
                     raise PipelineError(f"{_where(n)} over several stages is read whole; "
                                         f"the pipeline cannot cut it per stage.")
-                s, p, j2 = where[user2.args[1]]
+                s, p, j2 = where[int(user2.args[1])]  # type: ignore[arg-type]
                 user2.replace_all_uses_with(take(user2, take(user2, p, user.args[1], s), j2, s))
                 g.erase_node(user2)
         else:
-            s, p, j2 = where[user.args[1]]
+            s, p, j2 = where[int(user.args[1])]  # type: ignore[arg-type]
             user.replace_all_uses_with(take(user, p, j2, s))
         g.erase_node(user)
     g.erase_node(n)
@@ -507,14 +521,14 @@ def _build_pieces(gm: fx.GraphModule, split: Split, rank: int) -> None:
         r = 0
         for i in _inputs(n):
             if zone[i.name] == TAIL and i.name in rnd:
-                far = stage[i.name] is not None and stage[n.name] is not None and \
-                    split.rank_of_stage[stage[i.name]] != split.rank_of_stage[stage[n.name]]
+                ri, rn = split.rank_of(i.name), split.rank_of(n.name)
+                far = ri is not None and rn is not None and ri != rn
                 r = max(r, rnd[i.name] + (1 if far else 0))
         rnd[n.name] = r
-    split.tail_round = rnd       # type: ignore[attr-defined]
+    split.tail_round = rnd
     n_rounds = max(rnd.values(), default=0) + 1
-    split.tail_needed = {r: _needed_here(g, split, r) for r in range(split.n_ranks)}  # type: ignore[attr-defined]
-    tail_needed = split.tail_needed[rank]     # type: ignore[attr-defined]
+    split.tail_needed = {r: _needed_here(g, split, r) for r in range(split.n_ranks)}
+    tail_needed = split.tail_needed[rank]
     for t in range(n_rounds):
         members = [n for n in g.nodes if zone[n.name] == TAIL and n.op != "output"
                    and n.name not in split.accumulate and rnd.get(n.name) == t
@@ -565,8 +579,7 @@ def _needed_here(g, split: Split, rank: int) -> set[str]:
     zone, stage = split.zone_of, split.stage_of
     byname = {n.name: n for n in g.nodes}
     here = {n.name for n in g.nodes if zone[n.name] == TAIL and n.op != "output"
-            and n.name not in split.accumulate and stage[n.name] is not None
-            and split.rank_of_stage[stage[n.name]] == rank}
+            and n.name not in split.accumulate and split.rank_of(n.name) == rank}
     out_node = next(n for n in reversed(g.nodes) if n.op == "output")
     here |= {a.name for a in out_node.args[0] if isinstance(a, fx.Node) and zone[a.name] == TAIL
              and stage.get(a.name) is None and a.name not in split.accumulate}
@@ -615,7 +628,7 @@ def _piece(gm, name: str, members: list[fx.Node], nodes: dict, *, per_mb: bool, 
                 inputs.append(x.name)
     for n in members:
         if n.op == "call_function" and n.target in _IDENTITY_MARKS:
-            env[n.name] = env[n.args[0].name]        # (a mark is the identity: no copy)
+            env[n.name] = env[_arg_node(n, 0).name]   # (a mark is the identity: no copy)
             continue
         env[n.name] = graph.node_copy(n, lambda x: env[x.name])
     outputs = [n.name for n in members
