@@ -5,6 +5,7 @@
     python examples/gpt_train.py --resume --dp 4 --tp 1     # continue on a 1-D mesh of 4
     torchrun --nproc-per-node 4 examples/gpt_train.py       # the same under torchrun
     python examples/gpt_train.py --bf16 --remat block --schedule cosine --warmup 20 --clip 1.0
+    python examples/gpt_train.py --pp 2 --dp 2 --tp 1       # 4 ranks, ("pp"=2, "dp"=2): pipelined
 
 The model is the plain ``nn.Module`` GPT of ``examples/gpt_module.py`` with dropout on.
 Its tensor-parallel plan (torchtitan's sequence-parallel Llama plan by default, or
@@ -19,6 +20,15 @@ docs/precision.md), ``--remat block`` recomputes each block's activations in the
 backward (``sharded.remat``, docs/remat.md), ``--schedule cosine --warmup N`` makes the
 learning rate a traced function of the step (no retrace as it changes) and ``--clip``
 clips the global gradient norm with one scalar all-reduce per step (docs/optim.md).
+
+``--pp N`` puts a pipeline axis "pp" of size N in front of the mesh (world size
+pp * dp * tp): the loss, the same forward with ``pipe_split(h, auto=True)`` before every
+block but the first, runs as ``sharded.pipeline(loss_fn, microbatches=M, schedule=...,
+virtual_stages=V)`` inside the step (docs/pipeline.md); the lowering picks the stage
+boundaries that even out the parameters, so N * V must be at most ``--layers``. The LM
+head is its own parameter (not tied to the token embedding), so it can sit on the last
+stage while the embedding sits on the first. Each stage's parameters and moments live
+on its "pp" coordinate's ranks; the loss is on every rank.
 
 Every ``--ckpt-every`` steps the parameters, the optimizer state, the step and the
 random-number state go to ``<run-dir>/checkpoint`` (``sharded.checkpoint``: each rank
@@ -156,11 +166,64 @@ def loader(tc: TrainConfig, mesh: Mesh, start: int, end: int, chain=None):
 
 # -- the program -----------------------------------------------------------------------
 
-def make_mesh(dp: int, tp: int) -> Mesh:
+def make_mesh(dp: int, tp: int, pp: int = 1) -> Mesh:
     """A mesh with the axes of size > 1: ("dp", "tp"), ("dp",) or ("tp",); one process
-    gets ("dp",) of size 1."""
-    axes = [(n, s) for n, s in (("dp", dp), ("tp", tp)) if s > 1] or [("dp", 1)]
+    gets ("dp",) of size 1. With ``pp`` > 1 the pipeline axis comes first: ("pp", "dp",
+    "tp"), ("pp", "dp"), ("pp", "tp") or ("pp",)."""
+    axes = [(n, s) for n, s in (("pp", pp), ("dp", dp), ("tp", tp)) if s > 1] or [("dp", 1)]
     return Mesh(tuple(s for _, s in axes), tuple(n for n, _ in axes))
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How ``--pp`` > 1 runs the loss (docs/pipeline.md): ``microbatches`` micro-batches
+    (on each "dp" rank, of its own rows) in ``schedule``'s order over the mesh's "pp"
+    axis, ``virtual`` stages per pp rank. Not part of TrainConfig: like the mesh, it may
+    change on --resume."""
+
+    pp: int = 1
+    microbatches: int = 4
+    schedule: str = "1F1B"
+    virtual: int = 1
+
+
+def make_pipelined_train_step(model: gm.GPT, update, pc: PipelineConfig, policy=None):
+    """The train step of ``gm.make_train_step`` with its loss pipelined: the same
+    forward (``torch.func.functional_call`` of the module), with a candidate stage
+    boundary, ``pipe_split(h, auto=True)``, before every block but the first, run as
+    ``pipeline(loss_fn, microbatches=, schedule=, virtual_stages=)`` and differentiated
+    with ``torch.func.grad_and_value`` inside the step. The lowering picks
+    ``pp * virtual - 1`` of the ``n_layers - 1`` candidates to even out the stages'
+    parameter counts (the embeddings go with the first stage, ln_f and the head with
+    the last), so ``pp * virtual`` must be at most ``n_layers`` (else pipeline's own
+    error). The LM head is not tied to the token embedding (gm.GPT has its own
+    ``head``), so the two may sit on different stages. Its value is the mean of the
+    loss over the micro-batches: for the mean cross-entropy over equal-sized
+    micro-batches, the whole batch's loss and gradient."""
+    first = model.blocks[0]
+
+    def call_block(blk, wrap=model.remat):
+        # GPT.forward calls ``model.remat(blk)(x)`` for each block when model.remat is
+        # set: the split goes in front of the (rematerialized) block, outside its region.
+        f = wrap(blk) if wrap is not None else blk
+        return f if blk is first else (lambda x: f(sharded.pipe_split(x, auto=True)))
+
+    def loss_fn(params, ids, targets):
+        return torch.func.functional_call(model, params, (ids, targets))
+
+    if policy is not None:
+        loss_fn = policy.wrap(loss_fn)
+    loss = sharded.pipeline(loss_fn, microbatches=pc.microbatches, schedule=pc.schedule,
+                            virtual_stages=pc.virtual)
+
+    model.remat = call_block      # outside a traced pipeline, pipe_split returns h as is
+
+    def train_step(params, opt_state, ids, targets):
+        grads, value = torch.func.grad_and_value(loss)(params, ids, targets)
+        params, opt_state = update(params, grads, opt_state)
+        return params, opt_state, value
+
+    return train_step
 
 
 class Trainer:
@@ -173,7 +236,8 @@ class Trainer:
     """
 
     def __init__(self, mesh: Mesh, tc: TrainConfig, *, plan: str = "sp",
-                 dp_sharding: str = "shard", remat: str = "none"):
+                 dp_sharding: str = "shard", remat: str = "none",
+                 pipe: PipelineConfig | None = None):
         self.mesh, self.tc = mesh, tc
         self.chain = markov_chain(tc)
         model = gm.GPT(tc.model, seed=tc.seed)
@@ -197,7 +261,11 @@ class Trainer:
         self._init = pjit(_init_state, in_specs=(specs,), mesh=mesh, mode=mode, **init_out)
         if remat != "none":    # docs/remat.md: each block's activations recomputed in the backward
             model.remat = functools.partial(sharded.remat, policy=_REMAT[remat])
-        train_step = gm.make_train_step(model, functools.partial(_update, tc), policy=policy)
+        if pipe is not None:  # --pp > 1: stage state on its "pp" coordinate's slice of the mesh
+            train_step = make_pipelined_train_step(model, functools.partial(_update, tc), pipe,
+                                                   policy=policy)
+        else:
+            train_step = gm.make_train_step(model, functools.partial(_update, tc), policy=policy)
         self._step = pjit(train_step, in_specs=(specs, opt_specs, data, data), mesh=mesh,
                           mode=mode, **out)
         self.params, self.opt = self._init(params)
@@ -260,10 +328,12 @@ def _update(tc: TrainConfig, params, grads, opt_state):
 def train(args, tc: TrainConfig) -> tuple[int, list]:
     """Train on this rank to ``args.steps``; returns the first step and, on rank 0,
     [(step, loss, tokens/s, mesh)] for each step run."""
-    mesh = make_mesh(args.dp, args.tp)
+    mesh = make_mesh(args.dp, args.tp, args.pp)
     rank0 = mesh.rank == 0
     t0 = time.perf_counter()
-    trainer = Trainer(mesh, tc, plan=args.plan, dp_sharding=args.dp_sharding, remat=args.remat)
+    pipe = pipe_config(args)
+    trainer = Trainer(mesh, tc, plan=args.plan, dp_sharding=args.dp_sharding, remat=args.remat,
+                      pipe=pipe)
     ckpt = os.path.join(args.run_dir, "checkpoint")
     if args.resume:
         if not checkpoint.exists(ckpt):
@@ -273,6 +343,9 @@ def train(args, tc: TrainConfig) -> tuple[int, list]:
     if rank0:
         what = f"resumed at step {trainer.step}" if args.resume else "started"
         how = []
+        if pipe is not None:
+            how.append(f"{pipe.schedule} over 'pp', {pipe.microbatches} micro-batches"
+                       + (f", {pipe.virtual} stages per rank" if pipe.virtual > 1 else ""))
         if "tp" in mesh.axis_names:
             how.append(f"{args.plan} plan over 'tp'")
         if "dp" in mesh.axis_names and mesh.size("dp") > 1:
@@ -319,9 +392,33 @@ def _progress(show: bool, start: int, total: int):
 
 def reference(args, tc: TrainConfig) -> list:
     """Single-device losses for steps 0 .. args.steps - 1: the same program, pjit on
-    one process (the same dropout numbers), run in a process of its own."""
-    trainer = Trainer(make_mesh(1, 1), tc)
-    return [trainer.train_step(*b) for b in loader(tc, trainer.mesh, 0, args.steps, trainer.chain)]
+    one process (the same dropout numbers), run in a process of its own.
+
+    With --pp > 1 and dropout, the same pipelined loss on a one-rank "pp" mesh: dropout
+    draws micro-batch j's numbers at its own place in the stream (docs/pipeline.md,
+    random numbers), which is not where the whole-batch step draws them, so the
+    reference runs the same micro-batches. Under "dp" each rank splits its own rows
+    into the micro-batches; the rows are put in that order here (micro-batch j: rows j
+    of each "dp" rank's blocks), which changes neither the mean loss nor its gradient.
+    Without dropout the pipelined loss (the mean over equal micro-batches of a mean
+    cross-entropy) is the whole batch's, and the reference is the whole-batch step."""
+    pipe = _reference_pipe(args, tc)
+    if pipe is None:
+        trainer = Trainer(make_mesh(1, 1), tc)
+        return [trainer.train_step(*b) for b in loader(tc, trainer.mesh, 0, args.steps, trainer.chain)]
+    one = PipelineConfig(1, pipe.microbatches, "1F1B", 1)
+    trainer = Trainer(Mesh((1,), ("pp",)), tc, pipe=one)
+    dp, m, big = args.dp, pipe.microbatches, tc.batch_size
+    order = torch.arange(big).reshape(dp, m, big // (dp * m)).transpose(0, 1).reshape(-1)
+    return [trainer.train_step(*from_local_data(tuple(t.to_local()[order] for t in b), P(),
+                                                trainer.mesh))
+            for b in loader(tc, trainer.mesh, 0, args.steps, trainer.chain)]
+
+
+def _reference_pipe(args, tc: TrainConfig) -> PipelineConfig | None:
+    """The pipeline the reference must run to draw a pipelined run's dropout numbers."""
+    pipe = pipe_config(args)
+    return pipe if pipe is not None and tc.model.dropout > 0 else None
 
 
 def update_metrics(run_dir: str, start: int, rows: list) -> list:
@@ -345,7 +442,10 @@ def cached_reference(args, tc: TrainConfig) -> list:
     from sharded import launch
 
     path = os.path.join(args.run_dir, "reference.json")
-    key = json.dumps(tc.as_dict(), sort_keys=True)
+    pipe = _reference_pipe(args, tc)
+    # a pipelined run with dropout draws per micro-batch (see ``reference``)
+    key = json.dumps({**tc.as_dict(), **({} if pipe is None else {
+        "pipeline.microbatches": pipe.microbatches, "pipeline.dp": args.dp})}, sort_keys=True)
     if os.path.exists(path):
         with open(path) as f:
             saved = json.load(f)
@@ -420,6 +520,16 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dp", type=int, default=2, help="ranks along the data-parallel axis")
     ap.add_argument("--tp", type=int, default=2, help="ranks along the tensor-parallel axis")
+    ap.add_argument("--pp", type=int, default=1,
+                    help="ranks along the pipeline axis 'pp', in front of the mesh (world size "
+                         "pp * dp * tp; --pp 2 with the default --dp 2 --tp 2 starts 8 ranks)")
+    ap.add_argument("--microbatches", type=int, default=None,
+                    help="micro-batches per step with --pp > 1 (default: 2 * pp); each 'dp' "
+                         "rank's rows must split into them")
+    ap.add_argument("--pp-schedule", choices=("GPipe", "1F1B", "Interleaved1F1B"), default="1F1B",
+                    help="the pipeline schedule (Interleaved1F1B needs --virtual-stages >= 2)")
+    ap.add_argument("--virtual-stages", type=int, default=1,
+                    help="stages per pp rank (Interleaved1F1B); pp * virtual stages <= --layers")
     ap.add_argument("--plan", choices=sorted(gm.PLANS), default="sp")
     ap.add_argument("--dp-sharding", choices=("shard", "replicate"), default="shard",
                     help="FSDP-like (shard) or DDP-like (replicate) over 'dp'")
@@ -456,6 +566,14 @@ def parse_args(argv=None):
     return args, tc
 
 
+def pipe_config(args) -> PipelineConfig | None:
+    """The pipeline of ``--pp`` > 1 (None: the loss is not pipelined)."""
+    if args.pp <= 1:
+        return None
+    m = args.microbatches or 2 * args.pp
+    return PipelineConfig(args.pp, m, args.pp_schedule, args.virtual_stages)
+
+
 def main(argv=None) -> None:
     args, tc = parse_args(argv)
     os.makedirs(args.run_dir, exist_ok=True)
@@ -463,10 +581,10 @@ def main(argv=None) -> None:
         start, rows = train(args, tc)
         if int(os.environ["RANK"]) == 0:
             report(args, tc, start, rows)
-    else:                              # laptop path: start dp * tp local CPU ranks
+    else:                              # laptop path: start pp * dp * tp local CPU ranks
         from sharded import launch
 
-        start, rows = launch(train, args.dp * args.tp, args, tc)[0]
+        start, rows = launch(train, args.pp * args.dp * args.tp, args, tc)[0]
         report(args, tc, start, rows)
 
 
