@@ -396,7 +396,11 @@ def _expand_sum_of_squares(ex, node, args, kwargs):
           for x in xs]
     mesh, ndim = ex.mesh, ex.mesh.ndim
     split = sorted({j for x in xs for j, p in enumerate(x.placements) if _is_split(p)})
-    group = _torch.mesh_group(mesh.device_mesh) if len(split) > 1 else None
+    # one all-reduce over every rank only where the split axes are all the mesh's (of
+    # more than one rank): a pipelined step's "pp" axis is split by stage, not by
+    # layout, and each stage's ranks sum their own (sharded/pipelining/_split.py)
+    everywhere = all(j in split or mesh.shape[j] == 1 for j in range(ndim))
+    group = _torch.mesh_group(mesh.device_mesh) if len(split) > 1 and everywhere else None
     if group is not None:
         split = list(range(ndim))
     coord = mesh.coordinate()

@@ -304,6 +304,10 @@ CASES_4 = {f"{mode}_{sched}_m{m}": {**PPDP, "mode": mode, "m": m, "schedule": sc
 # the pp axis second: a stage's slice is a column of the mesh
 CASES_4["dp_pp_axis_order_shard_1F1B_m2"] = {"shape": (2, 2), "names": ("dp", "pp"),
                                             "mode": "shard", "m": 2}
+# clipping's global norm over tensor-parallel shards: a "tp" rank's program may differ
+# from its peer's in its nodes, never in its stages (examples/gpt_train.py --clip found it)
+CASES_4["tp_clip"] = {"shape": (2, 2), "names": ("pp", "tp"), "megatron": True, "mode": "expand",
+                      "m": 2, "clip": True, "n_blocks": 2, "splits": (1,)}
 CASES_4["dropout_pp2_dp2"] = {**PPDP, "mode": "shard", "m": 2, "dropout": 0.1, "seed": 0}
 PPDPTP = {"shape": (2, 2, 2), "names": ("pp", "dp", "tp"), "megatron": True, "m": 2,
           "n_blocks": 2, "splits": (1,)}
@@ -457,7 +461,7 @@ def test_gather_pipeline_outputs_on_every_rank(on_ranks):
 
 # -- pp=2 x dp=2 on 4 ranks ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", [n for n in CASES_4 if not n.startswith("dropout")])
+@pytest.mark.parametrize("name", [n for n in CASES_4 if not n.startswith(("dropout", "tp_"))])
 def test_pp2_dp2_equals_one_device(on_ranks, name):
     """The issue's must-hold list: pp=2 x dp=2 with DataParallelMode("replicate"),
     DataParallelMode("shard") and DTensorExpandMode, the batch P("dp"), 2 and 4
@@ -475,6 +479,13 @@ def test_pp2_dp2_equals_one_device(on_ranks, name):
             for i, (n, s) in enumerate(zip(r[key], stages)):
                 assert (n > 0) == (s == pp_coord[rank]), (key, rank, i, r[key])
         assert [sum(r[key][i] for r in rs) for i in range(len(total))] == [copies * t for t in total]
+
+
+def test_pp2_tp2_clipped_equals_one_device(on_ranks):
+    """clip_by_global_norm over a Megatron MLP's tensor-parallel shards on a pp=2 x tp=2
+    mesh (examples/gpt_train.py --pp 2 --tp 2 --clip failed with a RankMismatchError):
+    losses, the clipped norm and the parameters equal one device's."""
+    _check_equal_one_device(_results(on_ranks, 4), "tp_clip", CASES_4["tp_clip"])
 
 
 # -- pp=2 x dp=2 x tp=2 on 8 ranks -------------------------------------------------------------

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from sharded import _torch, sync
 from sharded._arguments import check_on_mesh
-from sharded._fingerprint import program_lines
+from sharded._fingerprint import ambient_text, fmt_meta, program_lines, stable_repr
+from sharded.passes import fingerprint
 from sharded._program import Forward, _separate_donated, local_input
 from sharded._registry import META_DONATED, META_PATH
 from sharded.mesh import mesh_device, slice_of, stage_slice
@@ -122,6 +123,9 @@ class PipelinedForward(Forward):
                  if pl is not None and isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor)]
         for i, (leaf, pl) in enumerate(zip(leaves, self.in_plan)):
             if pl is not None and isinstance(leaf, DTensor):
+                why = _torch.donated_message(leaf)
+                if why is not None:
+                    raise RuntimeError(f"{self.name}: {self.in_paths[i]} cannot be used: {why}.")
                 check_on_mesh(leaf, self.mesh, self.in_paths[i], self.name, stage_slices=True)
         return self.steady_outcome(plain, leaves)
 
@@ -208,15 +212,15 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
     low = lower_graph(global_gm, mode, mesh, inp.placements, out_specs, name=name,
                       passes=False)
     local = low.graph
-    for k, ph in enumerate(local.graph.find_nodes(op="placeholder")):
-        if k in donated_local:          # NOTE [Donation]: the tail may update it in place
-            ph.meta[META_DONATED] = True
     n_ranks = mesh.size(config.axis)
     d = mesh.axis_names.index(config.axis)
     pp_rank = (mesh.coordinate()[d] if not mesh.is_abstract else
                int((mesh.device_mesh.mesh == mesh.rank).nonzero()[0][d]))
     order = _schedules.order(config.schedule, n_ranks, config.microbatches, config.virtual)
-    split = split_program(local, n_ranks, pp_rank)
+    numel = {ph.name: m.numel() for ph, m in zip(local.graph.find_nodes(op="placeholder"), inp.metas)}
+    split = split_program(local, n_ranks, pp_rank, numel)
+    _mark_donated(split, [ph.name for k, ph in enumerate(local.graph.find_nodes(op="placeholder"))
+                          if k in donated_local])
     # each piece: the mode's passes (and no output shares storage with another:
     # the runtime keeps them apart)
     runners = {}
@@ -278,10 +282,21 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
     dt_specs = iter(out_dt_specs)
     out_plan = [("static", v) if not isinstance(v, torch.Tensor) else ("dtensor", next(dt_specs))
                 for v in out_leaves]
-    text = (["pipeline: " + config.text(), f"stages {split.n_stages} boundaries {split.boundaries}"]
-            + [f"input {p}" for p in inp.paths] + ["global program:"] + global_text
-            + ["cut:"] + [f"{n} {split.zone_of[n]} {split.stage_of.get(n)} {split.phase_of.get(n, '')}"
-                          for n in sorted(split.zone_of)])
+    text = (["pipeline: " + config.text(), f"stages {split.n_stages} boundaries {split.boundaries}",
+             f"mode: {mode!r}"]
+            + [f"input {p}: {fmt_meta(m)} {s_!r}" for p, m, s_ in zip(inp.paths, inp.metas, in_specs)]
+            + [f"static args[{i}]: {stable_repr(v)}" for i, v in zip(sig.static_argnums, sig.static_args)]
+            + [f"static kwargs[{k!r}]: {stable_repr(v)}" for k, v in sorted((sig.static_kwargs or {}).items())]
+            + [f"ambient: {ambient_text(sig.ambient)}", f"donated: {donated}"]
+            + [f"output {p}: {tuple(pl)}" for p, pl in zip(range(len(out_specs)), low.out_placements)]
+            + ["global program:"] + global_text
+            + ["local collectives (the whole step, one micro-batch):"] + fingerprint(local, mesh)[1]
+            + ["stages:"] + sorted(f"{ph.meta.get(META_PATH, ph.name)} on stage {split.param_stage[ph.name]}"
+                                   for ph in local.graph.find_nodes(op="placeholder")
+                                   if ph.name in split.param_stage))
+    # (rank-independent: a rank's program may differ from its dp/tp peers' in its
+    # nodes (a shard of another size); what every rank must agree on is the global
+    # program, the schedule and which stage holds what)
 
     def lines():
         return text
@@ -304,6 +319,22 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
                       for j in donated],
     )
     return entry
+
+
+def _mark_donated(split, donated: list[str]) -> None:
+    """NOTE [Donation] for a pipelined step: a donated input may be written in place
+    only by the last piece on the rank that reads it, and only if that is a tail piece
+    (the optimizer) and the step does not return the input itself: the pieces before
+    it (the prologue, every micro-batch) still read the old value."""
+    order = ([split.pre] if split.pre is not None else []) + split.mb_pieces() + list(split.tail)
+    returned = {o for o in split.outputs if isinstance(o, str)}
+    for name in donated:
+        readers = [p for p in order if name in p.inputs]
+        if not readers or readers[-1] not in split.tail or name in returned:
+            continue
+        for ph in readers[-1].graph.graph.find_nodes(op="placeholder"):
+            if ph.target == name:
+                ph.meta[META_DONATED] = True
 
 
 def _pp_group(mesh, axis: str):

@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from sharded import _torch
-from sharded._registry import META_DONATED, META_PATH
+from sharded._registry import META_PATH
 from sharded.pipelining import _markers as M
 from sharded.pipelining import _schedules
 from sharded.pipelining._api import PipelineConfig
@@ -103,9 +103,12 @@ def _inputs(n: fx.Node) -> list[fx.Node]:
     return list(n.all_input_nodes)
 
 
-def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
+def split_program(gm: fx.GraphModule, n_ranks: int, rank: int,
+                  global_numel: dict[str, int] | None = None) -> Split:
     """The pieces of ``gm`` (this rank's program of the whole step, one micro-batch)
-    for pp rank ``rank`` of ``n_ranks`` (NOTE [Pipeline pieces])."""
+    for pp rank ``rank`` of ``n_ranks`` (NOTE [Pipeline pieces]). ``global_numel``:
+    each input placeholder's global size, which the even split weighs (a shard's size
+    may differ between the ranks of one stage, which must all cut alike)."""
     g = gm.graph
     outs = [n for n in g.nodes if n.op == "call_function" and n.target is M.OUTPUT]
     if len(outs) != 1:
@@ -140,6 +143,8 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
             phase[n.name] = "B" if (n.target is M.OUTPUT_GRAD or any(
                 phase.get(i.name) == "B" for i in ins)) else "F"
 
+    rng_only = _draws_per_microbatch(g, zone, phase)
+
     # -- stage boundaries: forced splits, or candidates chosen by cost -------------------
     splits = [n for n in g.nodes if n.op == "call_function" and n.target is M.SPLIT]
     forced = sorted({n.args[1] for n in splits if n.args[2]})
@@ -149,7 +154,7 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
     elif forced:
         chosen = forced
     else:
-        chosen = _even_split(g, zone, phase, candidates, n_stages)
+        chosen = _even_split(g, zone, phase, candidates, n_stages, global_numel or {})
     if len(chosen) + 1 != n_stages:
         raise PipelineError(
             f"the pipelined function has {len(chosen) + 1} stages ({len(chosen)} pipe_split "
@@ -180,7 +185,11 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
         elif n.target is M.SPLIT_GRAD and index in step_of:
             st = step_of[index] - 1
         elif phase[n.name] == "F" and st is None:
-            st = 0 if any(zone[i.name] == MB for i in _inputs(n)) else None
+            # read from the batch: the first stage's; from random draws only: anywhere
+            if any(zone[i.name] == MB and i.name not in rng_only for i in _inputs(n)):
+                st = 0
+            elif n.name not in rng_only and any(zone[i.name] == MB for i in _inputs(n)):
+                rng_only.add(n.name)
         stage[n.name] = st
 
     # -- the stages of the values before: the stage of their readers ---------------------
@@ -243,17 +252,27 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
             continue
         if _is_list_op(n) and _cut_list_op(g, n, zone, stage, owner):
             continue
+        # the stage of its input of most dims (a parameter's update, not the clipping
+        # factor it is scaled by), the later stage on a tie: dims, not sizes, so that
+        # every rank cuts alike (a shard's size may differ from rank to rank)
         best, s_ = -1, None
         for i in _inputs(n):
             si = owner(i)
             if si is None:
                 continue
-            size = _numel(i)
-            if size > best or (size == best and si > (s_ if s_ is not None else -1)):
-                best, s_ = size, si
+            dims = _ndim(i)
+            if dims > best or (dims == best and si > (s_ if s_ is not None else -1)):
+                best, s_ = dims, si
         stage[n.name] = s_
     for n in g.nodes:
         stage.setdefault(n.name, None)
+    # a gradient that no micro-batch value feeds (a parameter's data-free loss term):
+    # computed on the parameter's stage, in its backward piece
+    for n in g.nodes:
+        if n.op == "call_function" and n.target in (M.INPUT_GRAD, M.OUTPUT):
+            x = _arg_node(n, 0)
+            if zone.get(x.name) == MB and stage.get(x.name) is None:
+                stage[x.name] = stage.get(n.name)
     out_node = next(n for n in reversed(g.nodes) if n.op == "output")
     out_args = list(out_node.args[0])
     split = Split(config, n_stages, n_ranks, stage, zone, phase, rank_of_stage=rank_of_stage,
@@ -271,6 +290,31 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int) -> Split:
             split.microbatch_inputs[n.name] = n.args[0].name
     _build_pieces(gm, split, rank)
     return split
+
+
+def _draws_per_microbatch(g: fx.Graph, zone: dict, phase: dict) -> set[str]:
+    """Random draws that a micro-batch's values read are the micro-batch's own: a draw
+    reads only the seed and offset inputs, so the zones leave it before the
+    micro-batches, where every micro-batch would share one; those (and what is computed
+    from them) become per-micro-batch values without a stage, recomputed in each piece
+    that reads them at the micro-batch's offset (the forward and the backward of a
+    micro-batch draw the same numbers). Returns their names."""
+    offset = next((p for p in g.find_nodes(op="placeholder") if p.meta.get(META_PATH) == "rng offset"),
+                  None)
+    if offset is None:
+        return set()
+    drawn: set[str] = set()
+    for n in g.nodes:
+        if n.op == "call_function" and zone[n.name] == PRE and any(
+                i is offset or i.name in drawn for i in n.all_input_nodes):
+            drawn.add(n.name)
+    feeds: set[str] = set()
+    for n in reversed(list(g.nodes)):
+        if n.name in drawn and any(zone.get(u.name) == MB or u.name in feeds for u in n.users):
+            feeds.add(n.name)
+    for name in feeds:
+        zone[name], phase[name] = MB, "F"
+    return feeds
 
 
 def _arg_node(n: fx.Node, k: int) -> fx.Node:
@@ -293,6 +337,11 @@ def _path(n) -> str:
 def _numel(n: fx.Node) -> int:
     v = n.meta.get("val")
     return v.numel() if isinstance(v, torch.Tensor) else 0
+
+
+def _ndim(n: fx.Node) -> int:
+    v = n.meta.get("val")
+    return v.ndim if isinstance(v, torch.Tensor) else -1
 
 
 def _input_marker(g: fx.Graph, index: int):
@@ -340,7 +389,8 @@ def _scale_seeds(gm: fx.GraphModule, m: int) -> None:
         n.replace_input_with(seed, scaled)
 
 
-def _even_split(g, zone, phase, candidates: list[int], n_stages: int) -> list[int]:
+def _even_split(g, zone, phase, candidates: list[int], n_stages: int,
+                global_numel: dict[str, int]) -> list[int]:
     """Choose ``n_stages - 1`` of the candidate boundaries so that the largest stage's
     cost (the parameter elements its forward reads) is as small as it can be."""
     if n_stages == 1:
@@ -370,7 +420,8 @@ def _even_split(g, zone, phase, candidates: list[int], n_stages: int) -> list[in
                 continue
             counted.add(i.name)
             if i.op == "call_function" and i.target is M.INPUT:
-                cost[s] += _numel(i)
+                src = _arg_node(i, 0)
+                cost[s] += global_numel.get(src.name, _numel(src))
             else:
                 todo.extend(x for x in _inputs(i) if zone[x.name] == PRE)
     # the split that minimizes the largest stage's cost (linear partition, by DP)
@@ -623,7 +674,7 @@ def _piece(gm, name: str, members: list[fx.Node], nodes: dict, *, per_mb: bool, 
             if x.name not in inside and x.name not in env:
                 ph = graph.placeholder(x.name)
                 ph.meta.update({k: v for k, v in x.meta.items()
-                                if k in ("val", "tensor_meta", META_PATH, META_DONATED)})
+                                if k in ("val", "tensor_meta", META_PATH)})
                 env[x.name] = ph
                 inputs.append(x.name)
     for n in members:
