@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sharded import Mesh, P, RankMismatchError, checkpoint, optim, pipe_split, pipeline, pjit
+from sharded import (Mesh, P, RankMismatchError, checkpoint, gather, optim, pipe_split, pipeline,
+                     pjit, shard)
 from sharded.modes import DTensorExpandMode
 from sharded.pipelining import PipelineError
 from tests.ranks import run
@@ -336,3 +337,99 @@ def test_tensor_parallel_plans_compose_with_the_pipeline():
             assert held and len(held) < len(params)
             for k, v in held.items():
                 torch.testing.assert_close(v, params[k], rtol=1e-4, atol=1e-5)
+
+
+# -- found by review: each was a silent wrong result or a failure ----------------------------
+
+def _one_rank_step(loss_fn, m, donate=()):
+    pl = pipeline(loss_fn, microbatches=m)
+
+    def step(p, opt, x, y):
+        g, loss = torch.func.grad_and_value(pl)(p, x, y)
+        p, opt = optim.adamw(p, g, opt, lr=1e-2)
+        return p, opt, loss
+    return pjit(step, in_specs=(P(), P(), P(), P()), mesh=Mesh((1,), ("pp",)), donate_argnums=donate)
+
+
+def _dropout_loss(p, x, y):
+    h = x
+    for i, blk in enumerate(p["blocks"]):
+        if i == 2:
+            h = pipe_split(h)
+        h = F.dropout(torch.tanh(h @ blk["w"] + blk["b"]), 0.5, training=True)
+    return F.cross_entropy(h @ p["head"], y)
+
+
+def test_each_micro_batch_draws_its_own_random_numbers():
+    """A dropout's mask depends only on the seed and the offset, not on the batch: it
+    must still be drawn per micro-batch (micro-batch j at offset + j x draws). With the
+    halves a, b of a batch as the 2 micro-batches, [a; b] and [b; a] give different mean
+    losses: each half meets the other micro-batch's mask (one mask shared by both
+    micro-batches gave equal losses)."""
+    from sharded import random as srandom
+
+    x, y = _batch()
+    swapped_x, swapped_y = torch.cat([x[4:], x[:4]]), torch.cat([y[4:], y[:4]])
+    step = _one_rank_step(_dropout_loss, 2)
+    losses = []
+    for bx, by in ((x, y), (swapped_x, swapped_y), (x, y)):
+        srandom.manual_seed(0)
+        losses.append(gather(step(_mlp(), optim.adamw_init(_mlp()), bx, by)[2]))
+    assert not torch.equal(losses[0], losses[1])
+    assert torch.equal(losses[0], losses[2])             # (the same seed: the same draws)
+
+
+def test_donated_parameter_read_before_the_optimizer_is_not_overwritten():
+    """A parameter read before the micro-batches (here scaled: ``w * 0.5``, as a
+    multiplier or a LoRA merge would) and donated: only the optimizer, the last piece
+    that reads it, may write its storage. Parameters equal the step without donation."""
+    def scaled(p, x, y):
+        h = torch.tanh(x @ (p["blocks"][0]["w"] * 0.5))
+        h = pipe_split(h)
+        return F.cross_entropy(torch.tanh(h @ p["blocks"][1]["w"]) @ p["head"], y)
+
+    x, y = _batch()
+    want, _, _ = _one_rank_step(scaled, 2)(_mlp(), optim.adamw_init(_mlp()), x, y)
+    p = shard(_mlp(), P(), Mesh((1,), ("pp",)))
+    got, _, _ = _one_rank_step(scaled, 2, donate=(0, 1))(p, optim.adamw_init(_mlp()), x, y)
+    torch.testing.assert_close(gather(got), gather(want), rtol=0, atol=0)
+
+
+def test_a_gradient_no_micro_batch_feeds_is_accumulated():
+    """A parameter in a data-free term of the loss (an L2 penalty): its gradient does not
+    depend on the micro-batch, and it is summed over the micro-batches like the others
+    (it was in no piece: the step failed). Equal to one device."""
+    def penalised(p, x, y):        # ("extra": read by the penalty only)
+        return _mlp_loss(p, x, y) + 0.01 * (p["extra"] ** 2).sum()
+
+    x, y = _batch()
+    p = {**_mlp(), "extra": torch.ones(3)}
+    opt = optim.adamw_init(p)
+    got, _, loss = _one_rank_step(penalised, 4)(p, opt, x, y)
+    pl = pipeline(penalised, microbatches=4)
+    g, ref_loss = torch.func.grad_and_value(pl)(p, x, y)
+    want, _ = optim.adamw(p, g, opt, lr=1e-2)
+    torch.testing.assert_close(gather(loss), ref_loss)
+    torch.testing.assert_close(gather(got), want)
+
+
+def test_the_digest_tells_programs_apart():
+    """The cross-rank agreement compares a digest of the pipelined program: two modes
+    (different collectives), or the same step with other in_specs, give different
+    digests, so ranks that built different programs fail instead of hanging."""
+    from sharded.modes import DataParallelMode
+
+    mesh = Mesh.abstract((2, 2), ("pp", "dp"))
+    x, y = _batch()
+    pl = pipeline(_mlp_loss, microbatches=2)
+
+    def step(p, x, y):
+        return torch.func.grad_and_value(pl)(p, x, y)
+
+    def digest(mode, batch=P("dp")):
+        lo = pjit(step, in_specs=(P(), batch, batch), mesh=mesh, mode=mode).lower(_mlp(), x, y)
+        return lo._c.program
+
+    rep, sh = digest(DataParallelMode("replicate", axis="dp")), digest(DataParallelMode("shard", axis="dp"))
+    assert rep != sh
+    assert digest(DTensorExpandMode()) != digest(DTensorExpandMode(), P())
