@@ -743,6 +743,14 @@ def donated_message(dt: DTensor) -> str | None:
 _ABSTRACT_IDS = iter(range(-1, -(2 ** 62), -1))
 
 
+def boxed(gm) -> None:
+    """Make ``gm`` take its inputs as one list that it empties as it goes (fx's boxed
+    calling convention, as AOTAutograd's): each input is freed after its last use inside
+    the graph, not when the caller's references go."""
+    gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+    gm.recompile()
+
+
 def op_name(target) -> str | None:
     """The qualified name of an op overload's schema (``"aten::_fused_adamw"``), or
     None for anything else."""

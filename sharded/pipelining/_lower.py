@@ -234,6 +234,10 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
         runners[piece.name] = make_runner(piece.graph, getattr(mode, "compile", False) is True,
                                           f"{name} {piece.name}", mesh,
                                           run_state(("pipeline", piece.name)))
+        if piece.per_microbatch and runners[piece.name] is piece.graph:
+            # (a micro-batch's residuals freed as its backward reads them: NOTE [Pipeline
+            # memory] in sharded/pipelining/_runtime.py)
+            _torch.boxed(piece.graph)
     nodes = {n.name: n for n in local.graph.nodes}
     plan = Plan(split, order, nodes, split.tail_needed)
     metas = {n: v.meta["val"] for n, v in nodes.items() if isinstance(v.meta.get("val"), torch.Tensor)}

@@ -29,6 +29,16 @@ from sharded.pipelining._split import MB, PRE, TAIL, Split
 _LAST_TIMELINE: list = []
 AHEAD = 2          # receives kept posted per sender (NOTE [Pipeline messages])
 
+# NOTE [Pipeline memory]
+# A micro-batch's values live from the piece that computes them to the last piece on
+# this rank that reads them, and no longer: the runtime drops its own references to a
+# piece's inputs before the call when that piece is their last reader, a micro-batch
+# piece (run as a graph) takes its inputs boxed (one list it empties as it goes), so a
+# backward frees each residual at its last use inside it, as autograd frees what it
+# saved, and the loop forgets the last action's outputs before the next one (a
+# backward's whole gradient would otherwise live through the next forward, the last
+# one's through the optimizer). A finished send's buffer is dropped at the next send.
+
 
 def last_timeline() -> dict:
     """The compute slots of this process's last pipelined step: ``{"start": t0, "end":
@@ -124,6 +134,8 @@ class PipelineRunner:
         self.metas = metas                  # node name -> local fake value (for buffers)
         self.offset_name, self.n_draws = offset_name, n_draws
         self.runners = runners              # piece name -> callable
+        self.boxed = {n for n, r in runners.items() if isinstance(r, torch.fx.GraphModule)
+                      and type(r.graph._codegen).__name__ == "_BoxedCodeGen"}
         # the pieces that communicate (a collective inside): the agreement comes first
         self.communicating = {name for name, r in runners.items() if _has_collective(r)}
         self.m = split.config.microbatches
@@ -144,6 +156,7 @@ class PipelineRunner:
         self.arg_plan: dict[str, list] = {}
         self.acc_plan: dict[str, list] = {}
         self.free_plan: dict[str, list] = {}
+        self.last_plan: dict[str, list] = {}
         for p in mine:
             plan_ = []
             for x in p.inputs:
@@ -157,10 +170,12 @@ class PipelineRunner:
             self.acc_plan[p.name] = [(k, b) for k, name in enumerate(p.outputs) for b in acc_of.get(name, ())]
             self.free_plan[p.name] = [(x, self.uses[x]) for x in p.inputs if split.zone_of.get(x) == MB] \
                 + [(x, 1) for x in p.outputs if not self.uses.get(x)]
+            self.last_plan[p.name] = [(x, self.uses[x]) for x in p.inputs if split.zone_of.get(x) == MB]
 
     # -- messages -------------------------------------------------------------------
     def _send(self, value: torch.Tensor, dst: int) -> None:
         self._before()
+        self._sent = [s_ for s_ in self._sent if not s_[0].is_completed()]   # (their buffers go)
         t = value.detach()
         if not t.is_contiguous():
             t = t.contiguous()
@@ -210,6 +225,7 @@ class PipelineRunner:
 
     # -- one step -------------------------------------------------------------------
     _agreement: Any = None        # the call's, until checked (_before)
+    _sent: list = []              # (work, buffer) of this step's sends not yet waited
 
     def __call__(self, *inputs, agreement=None):
         split, plan = self.split, self.plan
@@ -253,8 +269,11 @@ class PipelineRunner:
                     args.append(base_offset + mb * self.n_draws)
             if self._agreement is not None:
                 self._before(piece.name)
+            for x, uses in self.last_plan[piece.name]:      # (NOTE [Pipeline memory])
+                if left.get((x, mb), uses) <= 1:
+                    mbenv.pop((x, mb), None)
             t0 = time.perf_counter()
-            outs = runners[piece.name](*args)
+            outs = runners[piece.name](args) if piece.name in self.boxed else runners[piece.name](*args)
             slots.append((a, t0, time.perf_counter()))
             for name, v in zip(piece.outputs, outs):
                 mbenv[(name, mb)] = v
@@ -281,6 +300,7 @@ class PipelineRunner:
                     left.pop(key, None)
                 else:
                     left[key] = n
+            outs = v = args = None      # (else they live through the next action)
         for b, v in acc.items():      # (gradients arrive scaled: _scale_seeds)
             env[b] = v / self.m if self.m > 1 and b in split.means else v
         self._send_round(-1, env)
