@@ -415,13 +415,7 @@ def test_dropout_pp2_equals_pp1_bitwise(on_ranks):
     the batch replicated), bit for bit."""
     res = _results(on_ranks, 2)
     pp2, pp1 = _ok(res, "dropout_pp2"), _ok(res, "dropout_pp1")
-    full1 = pp1[0]["full"]
-    assert set(full1) == set(range(len(optree.tree_leaves(init()))))
-    for k, r in enumerate(pp2):
-        for a, b in zip(r["raw"], pp1[0]["raw"]):
-            assert torch.equal(a, b), (k, a, b)
-        for i, v in r["full"].items():
-            assert torch.equal(v, full1[i]), (k, i)
+    _assert_bitwise(pp2, pp1)
     # the dropout did something: the loss differs from the run without it
     no_dropout, _ = reference({"m": 4})
     assert pp1[0]["losses"][0][0] != no_dropout[0][0]
@@ -431,10 +425,15 @@ def test_dropout_pp2_dp2_equals_pp1_dp2_bitwise(on_ranks):
     """The issue's must-hold list (random numbers), with data parallelism: pp=2 x dp=2
     (4 ranks) gives the losses and parameters of pp=1 x dp=2 (2 ranks), bit for bit, the
     batch split over "dp" in both, DataParallelMode("shard"). (The micro-batches are each
-    dp rank's own rows, so the dp size itself changes which rows meet which dropout mask:
-    /tmp/pipe_bugs/dropout_depends_on_dp.py; the pp size does not.)"""
-    pp1 = _ok(_results(on_ranks, 2), "dropout_pp1_dp2")
-    pp2 = _ok(_results(on_ranks, 4), "dropout_pp2_dp2")
+    dp rank's own rows, so the dp size itself changes which rows meet which dropout mask;
+    the pp size does not.)"""
+    _assert_bitwise(_ok(_results(on_ranks, 4), "dropout_pp2_dp2"),
+                    _ok(_results(on_ranks, 2), "dropout_pp1_dp2"))
+
+
+def _assert_bitwise(pp2: list, pp1: list) -> None:
+    """Every rank of the pp=2 run: the losses and the parameters it holds equal the pp=1
+    run's (whose ranks together hold every parameter), bit for bit."""
     full1 = {}
     for r in pp1:
         full1.update(r["full"])
