@@ -24,7 +24,7 @@ import torch.distributed as dist
 from sharded import _torch, sync
 from sharded.pipelining._markers import MICROBATCH
 from sharded.pipelining._schedules import Action
-from sharded.pipelining._split import MB, PRE, TAIL, Split
+from sharded.pipelining._split import MB, TAIL, Split
 
 _LAST_TIMELINE: list = []
 AHEAD = 2          # receives kept posted per sender (NOTE [Pipeline messages])
@@ -336,16 +336,4 @@ class PipelineRunner:
         return outs
 
 
-def pieces_text(split: Split) -> list[str]:
-    """The pieces of this rank, one line each (for Lowered and the digest)."""
-    lines = []
-    for p in split.mb_pieces():
-        lines.append(f"{p.name}: {len(p.graph.graph.nodes)} nodes, in {p.inputs}, out {p.outputs}")
-    if split.pre is not None:
-        lines.append(f"pre: in {split.pre.inputs}, out {split.pre.outputs}")
-    for p in split.tail:
-        lines.append(f"{p.name}: in {p.inputs}, out {p.outputs}")
-    return lines
-
-
-__all__ = ["PipelineRunner", "Plan", "last_timeline", "pieces_text", "PRE"]
+__all__ = ["PipelineRunner", "Plan", "last_timeline"]

@@ -61,7 +61,6 @@ class Piece:
     inputs: list[str]
     outputs: list[str]
     per_microbatch: bool = False
-    stage: int | None = None
 
 
 @dataclass
@@ -559,8 +558,7 @@ def _build_pieces(gm: fx.GraphModule, split: Split, rank: int) -> None:
                         core.add(i.name)
                         todo.append(i)
             members = [n for n in g.nodes if n.name in core]
-            split.pieces[k][s] = _piece(gm, f"{k}{s}", members, nodes, per_mb=True, stage=s,
-                                        keep=lambda n: True)
+            split.pieces[k][s] = _piece(gm, f"{k}{s}", members, per_mb=True)
     # the tail, in rounds: a value read on another rank than the one computing it ends
     # a round
     rnd: dict[str, int] = {}
@@ -584,8 +582,7 @@ def _build_pieces(gm: fx.GraphModule, split: Split, rank: int) -> None:
         members = [n for n in g.nodes if zone[n.name] == TAIL and n.op != "output"
                    and n.name not in split.accumulate and rnd.get(n.name) == t
                    and n.name in tail_needed]
-        split.tail.append(_piece(gm, f"tail{t}", members, nodes, per_mb=False, stage=None,
-                                 keep=lambda n: True))
+        split.tail.append(_piece(gm, f"tail{t}", members, per_mb=False))
     # the values before, this rank's: what its pieces read
     need: set[str] = set()
     for p in [*split.mb_pieces(), *split.tail]:
@@ -595,7 +592,7 @@ def _build_pieces(gm: fx.GraphModule, split: Split, rank: int) -> None:
         if isinstance(name, str) and zone[name] == PRE and (s is None or split.rank_of_stage[s] == rank):
             need.add(name)
     pre_members = _closure_pre(g, zone, need)
-    split.pre = _piece(gm, "pre", pre_members, nodes, per_mb=False, stage=None, keep=lambda n: True)
+    split.pre = _piece(gm, "pre", pre_members, per_mb=False)
 
 
 def _kinds(g: fx.Graph, split: Split) -> None:
@@ -662,7 +659,7 @@ def _closure_pre(g, zone, need: set[str]) -> list[fx.Node]:
 _IDENTITY_MARKS = (M.SPLIT, M.SPLIT_GRAD, M.INPUT, M.INPUT_GRAD, M.OUTPUT, M.OUTPUT_GRAD)
 
 
-def _piece(gm, name: str, members: list[fx.Node], nodes: dict, *, per_mb: bool, stage, keep) -> Piece:
+def _piece(gm, name: str, members: list[fx.Node], *, per_mb: bool) -> Piece:
     """A GraphModule of ``members`` (in program order): its inputs are the values they
     read from outside, its outputs the values read outside (or returned)."""
     inside = {n.name for n in members}
@@ -685,4 +682,4 @@ def _piece(gm, name: str, members: list[fx.Node], nodes: dict, *, per_mb: bool, 
     outputs = [n.name for n in members
                if any(u.name not in inside for u in n.users)]
     graph.output(tuple(env[o] for o in outputs))
-    return Piece(name, fx.GraphModule(gm, graph), inputs, outputs, per_microbatch=per_mb, stage=stage)
+    return Piece(name, fx.GraphModule(gm, graph), inputs, outputs, per_microbatch=per_mb)
