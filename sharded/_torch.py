@@ -743,6 +743,53 @@ def donated_message(dt: DTensor) -> str | None:
 _ABSTRACT_IDS = iter(range(-1, -(2 ** 62), -1))
 
 
+def pipeline_schedule_table(schedule: str, n_ranks: int, n_microbatches: int,
+                            virtual: int) -> dict[int, list[tuple[str, int, int] | None]]:
+    """torch.distributed.pipelining's per-rank compute table for ``schedule`` ("GPipe",
+    "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"):
+    (kind, stage, micro-batch) per slot, kind "F", "B", "I" or "W"; None for an idle
+    slot or another action. torch builds every rank's list in each instance, so
+    stand-ins for rank 0's stages suffice: stages 0, p, 2p, ... (looped) or 0 and 2p-1
+    (ZBVZeroBubble's V: torch derives each rank's two stages, r and 2p-1-r, from
+    ``num_stages``). The zero-bubble schedules call
+    ``_check_torch_compile_compatibility(stages)``, which reads ``stage.submod``: the
+    stand-ins carry an empty ``nn.Module``. (1F1B's table is wrong on the last rank in
+    torch 2.13: sharded/pipelining/_schedules.py does not use it.)"""
+    import types
+
+    from torch.distributed.pipelining import schedules as ts
+
+    n_stages = n_ranks * virtual
+
+    def stand_in(stage_index: int):
+        return types.SimpleNamespace(
+            num_stages=n_stages, group_size=n_ranks, group_rank=0, stage_index=stage_index,
+            is_first=stage_index == 0, is_last=stage_index == n_stages - 1,
+            stage_index_to_group_rank=None, submod=torch.nn.Module())
+
+    if schedule in ("GPipe", "1F1B"):
+        single = ts.ScheduleGPipe if schedule == "GPipe" else ts.Schedule1F1B
+        table = single(stand_in(0), n_microbatches)._get_pipeline_order() or {}
+    elif schedule == "ZBVZeroBubble":
+        table = ts.ScheduleZBVZeroBubble([stand_in(0), stand_in(n_stages - 1)],
+                                         n_microbatches).pipeline_order
+    else:
+        cls = {"Interleaved1F1B": ts.ScheduleInterleaved1F1B, "LoopedBFS": ts.ScheduleLoopedBFS,
+               "InterleavedZeroBubble": ts.ScheduleInterleavedZeroBubble}[schedule]
+        table = cls([stand_in(n_ranks * i) for i in range(virtual)], n_microbatches).pipeline_order
+    kinds = {ts._ComputationType.FORWARD: "F", ts._ComputationType.FULL_BACKWARD: "B",
+             ts._ComputationType.BACKWARD_INPUT: "I", ts._ComputationType.BACKWARD_WEIGHT: "W"}
+    out: dict[int, list[tuple[str, int, int] | None]] = {}
+    for rank, actions in table.items():
+        row: list[tuple[str, int, int] | None] = []
+        for a in actions:
+            kind = None if a is None else kinds.get(a.computation_type)
+            row.append(None if a is None or kind is None or a.microbatch_index is None
+                       else (kind, a.stage_index, a.microbatch_index))
+        out[rank] = row
+    return out
+
+
 def boxed(gm) -> None:
     """Make ``gm`` take its inputs as one list that it empties as it goes (fx's boxed
     calling convention, as AOTAutograd's): each input is freed after its last use inside

@@ -25,9 +25,10 @@ executes (its table is wrong, see :func:`_one_f_one_b`). Every order is checked 
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from sharded import _torch
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
              "ZBVZeroBubble")
@@ -187,83 +188,26 @@ def _one_f_one_b(n_ranks: int, n_microbatches: int) -> Order:
     return result
 
 
-# ---------------------------------------------------------------------------------------
-# PRIVATE TORCH ACCESS: everything below down to the next rule reads torch's schedule
-# tables through private API (the ``pipeline_order`` attribute, ``_get_pipeline_order``,
-# ``_Action``'s fields, ``_ComputationType``) and builds torch schedules around stand-in
-# stage objects. It is meant to move to ``sharded/_torch.py``.
-# ---------------------------------------------------------------------------------------
-
-
 def _torch_pipeline_order(schedule: str, n_ranks: int, n_microbatches: int,
                           virtual: int) -> dict[int, list[Action | None]]:
     """torch's compute table for ``schedule`` (any of ``SCHEDULES``) as
-    :class:`Action` lists; ``None`` marks an idle slot or a non-compute action.
+    :class:`Action` lists; ``None`` marks an idle slot or a non-compute action (the
+    table itself: ``_torch.pipeline_schedule_table``)."""
+    try:
+        table = _torch.pipeline_schedule_table(schedule, n_ranks, n_microbatches, virtual)
+    except ValueError as exc:
+        if schedule in ("GPipe", "1F1B", "ZBVZeroBubble"):
+            raise
+        rounds = max(1, n_microbatches // n_ranks)
+        works = [m for m in range(1, 4 * n_ranks + 1) if m % max(1, m // n_ranks) == 0]
+        raise ValueError(
+            f"{schedule} with n_ranks={n_ranks}, n_microbatches={n_microbatches}: "
+            f"torch needs n_microbatches to be a multiple of its number of rounds "
+            f"max(1, n_microbatches // n_ranks) = {rounds}; that holds for any "
+            f"n_microbatches below {2 * n_ranks} and any multiple of n_ranks (up to "
+            f"{4 * n_ranks}: {works}). torch said: {exc}") from exc
+    return {rank: [None if a is None else Action(*a) for a in row] for rank, row in table.items()}
 
-    torch builds every rank's list in each instance, so stand-ins for rank 0's stages
-    suffice: stages 0, p, 2p, ... (looped) or 0 and 2p-1 (ZBVZeroBubble's V; torch's
-    ZBV derives each rank's two stages, r and 2p-1-r, from ``num_stages`` itself and
-    only needs exactly two stage objects). The zero-bubble schedules call
-    ``_check_torch_compile_compatibility(stages)``, which reads ``stage.submod``: the
-    stand-ins carry an empty ``nn.Module``."""
-    import torch
-    from torch.distributed.pipelining import schedules as ts
-
-    n_stages = n_ranks * virtual
-
-    def stand_in(stage_index: int) -> Any:
-        return types.SimpleNamespace(
-            num_stages=n_stages, group_size=n_ranks, group_rank=0, stage_index=stage_index,
-            is_first=stage_index == 0, is_last=stage_index == n_stages - 1,
-            stage_index_to_group_rank=None, submod=torch.nn.Module())
-
-    table: Mapping[int, Sequence[Any]]
-    if schedule in ("GPipe", "1F1B"):
-        # the table (one "rank" per stage) is built from num_stages alone; 1F1B's table is
-        # wrong (see _one_f_one_b): order() does not use it, the tests show how it is wrong
-        single = ts.ScheduleGPipe if schedule == "GPipe" else ts.Schedule1F1B
-        table = single(stand_in(0), n_microbatches)._get_pipeline_order() or {}
-    elif schedule == "ZBVZeroBubble":
-        table = ts.ScheduleZBVZeroBubble(
-            [stand_in(0), stand_in(n_stages - 1)], n_microbatches).pipeline_order
-    else:
-        cls: Callable[..., Any] = {
-            "Interleaved1F1B": ts.ScheduleInterleaved1F1B,
-            "LoopedBFS": ts.ScheduleLoopedBFS,
-            "InterleavedZeroBubble": ts.ScheduleInterleavedZeroBubble}[schedule]
-        # torch computes every rank's list in each instance: rank 0's stages suffice
-        stages = [stand_in(n_ranks * i) for i in range(virtual)]
-        try:
-            table = cls(stages, n_microbatches).pipeline_order
-        except ValueError as exc:
-            rounds = max(1, n_microbatches // n_ranks)
-            works = [m for m in range(1, 4 * n_ranks + 1)
-                     if m % max(1, m // n_ranks) == 0]
-            raise ValueError(
-                f"{schedule} with n_ranks={n_ranks}, n_microbatches={n_microbatches}: "
-                f"torch needs n_microbatches to be a multiple of its number of rounds "
-                f"max(1, n_microbatches // n_ranks) = {rounds}; that holds for any "
-                f"n_microbatches below {2 * n_ranks} and any multiple of n_ranks (up to "
-                f"{4 * n_ranks}: {works}). torch said: {exc}") from exc
-    kinds = {ts._ComputationType.FORWARD: "F", ts._ComputationType.FULL_BACKWARD: "B",
-             ts._ComputationType.BACKWARD_INPUT: "I",
-             ts._ComputationType.BACKWARD_WEIGHT: "W"}
-    result: dict[int, list[Action | None]] = {}
-    for rank, actions in table.items():
-        row: list[Action | None] = []
-        for a in actions:
-            kind = None if a is None else kinds.get(a.computation_type)
-            if a is None or kind is None or a.microbatch_index is None:
-                row.append(None)
-            else:
-                row.append(Action(kind, a.stage_index, a.microbatch_index))
-        result[rank] = row
-    return result
-
-
-# ---------------------------------------------------------------------------------------
-# end of private torch access
-# ---------------------------------------------------------------------------------------
 
 
 _Grad = Mapping[tuple[int, int], str]
