@@ -29,10 +29,9 @@ Peak memory per rank: measured in processes of their own after the timing
 (``_models.least_window_peaks``: each row built from nothing and stepped twice inside
 the window, least of three rounds; ours takes the whole model's parameters and AdamW
 state as its first step's input, as a user's step does, and gives back each stage's
-part on its rank; it cannot donate them: the pipeline refuses donate_argnums), and,
+part on its rank, donated: the optimizer updates them in place, as torch's AdamW), and,
 as ``steady``, the peak above the held state while a row that has already stepped
-takes two more steps (ours then holds its stages' part only; undonated, a step holds
-its old and its new parameters and moments at once, torch's AdamW updates in place).
+takes two more steps (ours then holds its stages' part only).
 
 Bubble: ours records the compute slots of its last step (``last_timeline()``); torch's
 rows get the same record by timing each ``forward_one_chunk`` / ``backward_one_chunk``

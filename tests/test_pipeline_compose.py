@@ -433,3 +433,77 @@ def test_the_digest_tells_programs_apart():
     rep, sh = digest(DataParallelMode("replicate", axis="dp")), digest(DataParallelMode("shard", axis="dp"))
     assert rep != sh
     assert digest(DTensorExpandMode()) != digest(DTensorExpandMode(), P())
+
+
+def test_a_value_drawn_outside_the_pipeline_is_drawn_once():
+    """A mask drawn in the step outside pipeline(...) and passed in is one value for
+    every micro-batch (only draws inside the pipelined function are per micro-batch):
+    swapping the halves of the batch leaves the mean loss alone."""
+    from sharded import random as srandom
+
+    def masked(p, x, y):
+        return _mlp_loss({**p, "blocks": [{**p["blocks"][0], "w": p["blocks"][0]["w"] * p["mask"]},
+                                          *p["blocks"][1:]]}, x, y)
+
+    pl = pipeline(masked, microbatches=2)
+
+    def step(p, x, y):
+        mask = (torch.rand(8, 8) > 0.5).float()
+        return torch.func.grad_and_value(pl)({**p, "mask": mask}, x, y)[1]
+
+    run = pjit(step, in_specs=(P(), P(), P()), mesh=Mesh((1,), ("pp",)))
+    x, y = _batch()
+    losses = []
+    for bx, by in ((x, y), (torch.cat([x[4:], x[:4]]), torch.cat([y[4:], y[:4]]))):
+        srandom.manual_seed(0)
+        losses.append(gather(run(_mlp(), bx, by)))
+    torch.testing.assert_close(losses[0], losses[1])
+
+
+def test_a_returned_view_of_a_donated_parameter_keeps_its_value():
+    """The step returns a view of a parameter it updates (``w.t()``) with the parameters
+    donated: the optimizer may not update that storage in place (the view would show
+    the new values), as without pipelining."""
+    def step_of(p, opt, x, y):
+        g, loss = torch.func.grad_and_value(pipeline(_mlp_loss, microbatches=2))(p, x, y)
+        view = p["head"].t()
+        p, opt = optim.adamw(p, g, opt, lr=1e-1)
+        return p, opt, loss, view
+
+    mesh = Mesh((1,), ("pp",))
+    x, y = _batch()
+    run = pjit(step_of, in_specs=(P(), P(), P(), P()), mesh=mesh, donate_argnums=(0, 1))
+    out = run(shard(_mlp(), P(), mesh), optim.adamw_init(_mlp()), x, y)
+    torch.testing.assert_close(gather(out[3]), _mlp()["head"].t(), rtol=0, atol=0)
+
+
+def test_random_weights_and_random_penalties_on_every_stage():
+    """Weight dropout in each of 4 stages (one rank, 4 virtual stages) and a penalty
+    scaled by a draw: every stage holds parameters read only through their dropout,
+    and a gradient that only a draw feeds is placed on its parameter's stage. The four
+    schedules that run 4 stages on one rank agree bit for bit."""
+    from sharded import random as srandom
+
+    def noisy(p, x, y):
+        h = x
+        for i, blk in enumerate(p["blocks"]):
+            if i:
+                h = pipe_split(h)
+            h = torch.tanh(h @ F.dropout(blk["w"], 0.3, training=True) + blk["b"])
+        return F.cross_entropy(h @ p["head"], y) + (p["extra"] * torch.rand(3)).sum()
+
+    x, y = _batch()
+    results = []
+    for schedule in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"):
+        pl = pipeline(noisy, microbatches=2, schedule=schedule, virtual_stages=4)
+
+        def step(p, x, y, pl=pl):
+            return torch.func.grad_and_value(pl)(p, x, y)
+
+        srandom.manual_seed(0)
+        g, loss = pjit(step, in_specs=(P(), P(), P()), mesh=Mesh((1,), ("pp",)))(
+            {**_mlp(), "extra": torch.ones(3)}, x, y)
+        results.append(optree.tree_leaves(gather((g, loss))))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)

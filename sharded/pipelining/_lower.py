@@ -220,7 +220,7 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
     numel = {ph.name: m.numel() for ph, m in zip(local.graph.find_nodes(op="placeholder"), inp.metas)}
     split = split_program(local, n_ranks, pp_rank, numel)
     _mark_donated(split, [ph.name for k, ph in enumerate(local.graph.find_nodes(op="placeholder"))
-                          if k in donated_local])
+                          if k in donated_local], local)
     # each piece: the mode's passes (and no output shares storage with another:
     # the runtime keeps them apart)
     runners = {}
@@ -325,20 +325,27 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
     return entry
 
 
-def _mark_donated(split, donated: list[str]) -> None:
+def _mark_donated(split, donated: list[str], graph: fx.GraphModule) -> None:
     """NOTE [Donation] for a pipelined step: a donated input may be written in place
-    only by the last piece on the rank that reads it, and only if that is a tail piece
-    (the optimizer) and the step does not return the input itself: the pieces before
-    it (the prologue, every micro-batch) still read the old value."""
+    only by the last piece on the rank that reads it or a view of it, and only if that
+    is a tail piece (the optimizer) and the step returns neither the input nor a view of
+    it: the pieces before (the prologue, every micro-batch) still read the old value."""
     order = ([split.pre] if split.pre is not None else []) + split.mb_pieces() + list(split.tail)
     returned = {o for o in split.outputs if isinstance(o, str)}
+    by_storage: dict = {}
+    for n in graph.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            by_storage.setdefault(_torch.storage_key(val), set()).add(n.name)
     for name in donated:
-        readers = [p for p in order if name in p.inputs]
-        if not readers or readers[-1] not in split.tail or name in returned:
+        ph = next(p for p in graph.graph.find_nodes(op="placeholder") if p.name == name)
+        aliases = by_storage.get(_torch.storage_key(ph.meta["val"]), set()) | {name}
+        readers = [p for p in order if aliases & set(p.inputs)]
+        if not readers or readers[-1] not in split.tail or aliases & returned:
             continue
-        for ph in readers[-1].graph.graph.find_nodes(op="placeholder"):
-            if ph.target == name:
-                ph.meta[META_DONATED] = True
+        for node in readers[-1].graph.graph.find_nodes(op="placeholder"):
+            if node.target == name:
+                node.meta[META_DONATED] = True
 
 
 def _pp_group(mesh, axis: str):

@@ -267,6 +267,7 @@ class PipelineRunner:
                     args.append(v)
                 else:
                     args.append(base_offset + mb * self.n_draws)
+            v = None                    # (NOTE [Pipeline memory]: no extra reference)
             if self._agreement is not None:
                 self._before(piece.name)
             for x, uses in self.last_plan[piece.name]:      # (NOTE [Pipeline memory])

@@ -192,21 +192,18 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int,
         stage[n.name] = st
 
     # -- the stages of the values before: the stage of their readers ---------------------
+    # (through stage-less micro-batch values too: a weight read through its dropout)
     readers: dict[str, set] = defaultdict(set)
     for n in reversed(list(g.nodes)):
         if zone[n.name] == MB:
-            if stage[n.name] is not None:
-                for i in _inputs(n):
-                    if zone[i.name] == PRE:
-                        readers[i.name].add(stage[n.name])
-            else:
-                for i in _inputs(n):
-                    if zone[i.name] == PRE:
-                        readers[i.name] |= readers[n.name]
+            mine = {stage[n.name]} if stage[n.name] is not None else readers[n.name]
         elif zone[n.name] == PRE:
-            for i in _inputs(n):
-                if zone[i.name] == PRE:
-                    readers[i.name] |= readers[n.name]
+            mine = readers[n.name]
+        else:
+            continue
+        for i in _inputs(n):
+            if zone[i.name] == PRE or (zone[i.name] == MB and stage.get(i.name) is None):
+                readers[i.name] |= mine
     param_stage: dict[str, int] = {}
     for n in g.nodes:
         if n.op == "call_function" and n.target is M.INPUT:
@@ -272,6 +269,9 @@ def split_program(gm: fx.GraphModule, n_ranks: int, rank: int,
             x = _arg_node(n, 0)
             if zone.get(x.name) == MB and stage.get(x.name) is None:
                 stage[x.name] = stage.get(n.name)
+                if stage[x.name] is None:
+                    raise PipelineError(f"{_where(x)}: the gradient of a parameter no stage "
+                                        f"reads; the pipeline cannot place it.")
     out_node = next(n for n in reversed(g.nodes) if n.op == "output")
     out_args = list(out_node.args[0])
     split = Split(config, n_stages, n_ranks, stage, zone, phase, rank_of_stage=rank_of_stage,
@@ -304,15 +304,22 @@ def _draws_per_microbatch(g: fx.Graph, zone: dict, phase: dict) -> set[str]:
         return set()
     drawn: set[str] = set()
     for n in g.nodes:
-        if n.op == "call_function" and zone[n.name] == PRE and any(
+        if n.op == "call_function" and zone[n.name] == PRE and n.target is not M.INPUT and any(
                 i is offset or i.name in drawn for i in n.all_input_nodes):
-            drawn.add(n.name)
+            drawn.add(n.name)      # (not through the function's inputs: drawn once a step)
     feeds: set[str] = set()
     for n in reversed(list(g.nodes)):
         if n.name in drawn and any(zone.get(u.name) == MB or u.name in feeds for u in n.users):
             feeds.add(n.name)
-    for name in feeds:
-        zone[name], phase[name] = MB, "F"
+    for n in g.nodes:
+        if n.name in feeds:
+            after = [u for u in n.users if zone.get(u.name) == TAIL]
+            if after:
+                raise PipelineError(
+                    f"{_where(n)} is a random draw read both by the micro-batches (each draws "
+                    f"its own) and after them by {_where(after[0])}; draw it outside the "
+                    f"pipelined function and pass it in, or draw twice.")
+            zone[n.name], phase[n.name] = MB, "F"
     return feeds
 
 
