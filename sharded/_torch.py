@@ -798,6 +798,12 @@ def boxed(gm) -> None:
     gm.recompile()
 
 
+def is_boxed(runner) -> bool:
+    """Whether ``runner`` is a GraphModule that ``boxed`` made take one list."""
+    return isinstance(runner, torch.fx.GraphModule) and \
+        isinstance(runner.graph._codegen, torch.fx.graph._BoxedCodeGen)
+
+
 def op_name(target) -> str | None:
     """The qualified name of an op overload's schema (``"aten::_fused_adamw"``), or
     None for anything else."""

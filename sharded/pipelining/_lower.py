@@ -266,7 +266,7 @@ def build_pipelined(*, arguments, mode, sig, args, run_state, global_gm: fx.Grap
     out_owner: list = []
     stage_specs: list = []
     for v, s, gv, pl in zip(out_vals, split.out_stage, global_out, low.out_placements):
-        scalar = isinstance(v, fx.Node) and v.meta["val"].numel() == 1
+        scalar = isinstance(v, fx.Node) and v.meta["val"].ndim == 0     # (dims: alike on every rank)
         owner = None if (s is None or scalar) else split.rank_of_stage[s]
         out_owner.append(owner)
         if owner is None:

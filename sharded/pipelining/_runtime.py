@@ -53,7 +53,7 @@ class Plan:
     def __init__(self, split: Split, order: dict[int, list[Action]], graph_nodes: dict,
                  tail_needed: dict[int, set]):
         self.split = split
-        zone, stage, phase = split.zone_of, split.stage_of, split.phase_of
+        zone, stage = split.zone_of, split.stage_of
         rank_of = split.rank_of_stage
         # mb values: the ranks that read each (by their readers' stages)
         self.mb_readers: dict[str, set[int]] = defaultdict(set)
@@ -119,8 +119,9 @@ def _has_collective(runner) -> bool:
 
 
 def _is_scalar(node) -> bool:
+    """0-d (the loss): dims, not sizes, so every rank decides alike."""
     v = node.meta.get("val")
-    return isinstance(v, torch.Tensor) and v.numel() == 1
+    return isinstance(v, torch.Tensor) and v.ndim == 0
 
 
 class PipelineRunner:
@@ -134,8 +135,7 @@ class PipelineRunner:
         self.metas = metas                  # node name -> local fake value (for buffers)
         self.offset_name, self.n_draws = offset_name, n_draws
         self.runners = runners              # piece name -> callable
-        self.boxed = {n for n, r in runners.items() if isinstance(r, torch.fx.GraphModule)
-                      and type(r.graph._codegen).__name__ == "_BoxedCodeGen"}
+        self.boxed = {n for n, r in runners.items() if _torch.is_boxed(r)}
         # the pieces that communicate (a collective inside): the agreement comes first
         self.communicating = {name for name, r in runners.items() if _has_collective(r)}
         self.m = split.config.microbatches
