@@ -507,3 +507,31 @@ def test_random_weights_and_random_penalties_on_every_stage():
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             assert torch.equal(a, b)
+
+
+def test_gradients_are_reduced_once_per_step_whatever_the_micro_batches():
+    """docs/pipeline.md ("Gradient accumulation"): a gradient's pending reduction passes
+    through the marks, so under DataParallelMode("shard") a micro-batch's pieces reduce
+    nothing and the tail reduce-scatters once per step: the step's reductions are the
+    same for 2 and 4 micro-batches (and its parameters' all-gathers run once, before)."""
+    from sharded.modes import DataParallelMode
+    from sharded.passes import collectives
+
+    mesh = Mesh.abstract((2, 2), ("pp", "dp"))
+    x, y = _batch()
+    counts = {}
+    for m in (2, 4):
+        pl = pipeline(_mlp_loss, microbatches=m)
+
+        def step(p, opt, x, y, pl=pl):
+            g, loss = torch.func.grad_and_value(pl)(p, x, y)
+            return (*optim.adamw(p, g, opt, lr=1e-2), loss)
+
+        lo = pjit(step, in_specs=(P(), P(), P("dp"), P("dp")), mesh=mesh,
+                  mode=DataParallelMode("shard", axis="dp")).lower(_mlp(), optim.adamw_init(_mlp()), x, y)
+        cost = lo.cost()
+        counts[m] = {k: v["count"] for k, v in cost.items() if k != "total"}
+        in_micro_batches = [c for name, gm in lo._c.pieces() if name[0] in "FB"
+                            for c in collectives(gm, mesh)]
+        assert not in_micro_batches, in_micro_batches
+    assert counts[2] == counts[4] and counts[2].get("reduce_scatter", 0) >= 1, counts
