@@ -18,11 +18,11 @@ from sharded.errors import (CapturedStateError, CheckpointError, RankError, Rank
 from sharded.launch import RankPool
 from sharded.lowered import Lowered
 from sharded.mesh import Mesh
-from sharded.spec import P, PartitionSpec
+from sharded.spec import AUTO, P, PartitionSpec
 
 __all__ = [
     "pjit", "shard_map", "UNSPECIFIED", "Lowered",
-    "Mesh", "P", "PartitionSpec", "shard", "gather", "spec_of", "from_local_data",
+    "Mesh", "P", "PartitionSpec", "AUTO", "shard", "gather", "spec_of", "from_local_data",
     "with_sharding_constraint", "visualize_sharding", "launch", "RankPool",
     "register_dataclass", "register_pytree_node", "rules", "precision",
     "RankMismatchError", "RankFailedError", "TracingError", "CapturedStateError",

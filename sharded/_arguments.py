@@ -11,13 +11,14 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import optree
 import torch
 from torch.distributed.tensor import DTensor
 
 from sharded import _torch, _tree
 from sharded._fingerprint import ambient
 from sharded.mesh import Mesh, slice_of
-from sharded.spec import P, check_spec, to_placements
+from sharded.spec import AUTO, P, check_spec, to_placements
 
 
 class _Unspecified:
@@ -294,11 +295,26 @@ class Arguments:
     and what it says about one call."""
 
     def __init__(self, fn, name: str, in_specs, out_specs, static_argnums, static_argnames,
-                 donate_argnums, donate_argnames):
+                 donate_argnums, donate_argnames, memory_budget=None, cost_model=None):
         self.fn = fn
         self.name = name
         self.in_specs = in_specs
         self.out_specs = out_specs
+        # AUTO specs (docs/auto.md): whether any, the budget and the cost model
+        self.auto = any(x is AUTO for x in optree.tree_leaves(
+            (in_specs, out_specs), is_leaf=lambda x: _tree.is_spec_leaf(x) or x is UNSPECIFIED,
+            none_is_leaf=True))
+        if memory_budget is not None and not self.auto:
+            raise ValueError(
+                f"{name}: memory_budget is the AUTO solver's bound; no in_specs or out_specs "
+                f"entry is AUTO. Give AUTO for the tensors the solver may lay out, or drop "
+                f"memory_budget.")
+        if memory_budget is not None and (not isinstance(memory_budget, int)
+                                          or isinstance(memory_budget, bool) or memory_budget <= 0):
+            raise ValueError(f"{name}: memory_budget must be a positive int (bytes per rank); "
+                             f"got {memory_budget!r}.")
+        self.memory_budget = memory_budget
+        self.cost_model = cost_model
         self._params = _parameters(fn)
         self.static_argnums, self.static_argnames = _both(
             fn, self._params, static_argnums, static_argnames, "static", name)
@@ -317,7 +333,8 @@ class Arguments:
         """The configuration as a hashable key (TypeError if a spec tree is not)."""
         return (_hashable_tree(self.in_specs), _hashable_tree(self.out_specs),
                 self.static_argnums, tuple(sorted(self.static_argnames)),
-                self.donate_argnums, tuple(sorted(self.donate_argnames)))
+                self.donate_argnums, tuple(sorted(self.donate_argnames)),
+                self.memory_budget, self.cost_model)
 
     def signature(self, args, kwargs, mesh) -> Signature:
         nums = self._static_argnums_for(len(args))
@@ -482,6 +499,9 @@ class Arguments:
             if spec is UNSPECIFIED:       # this output keeps its propagated layout
                 specs.append(None)
                 continue
+            if spec is AUTO:              # the solver chooses (sharded/auto/)
+                specs.append(AUTO)
+                continue
             spec = P() if spec is None else spec
             check_spec(spec, v.shape, mesh, f"{spath} (for {opath})")
             specs.append(spec)
@@ -515,10 +535,22 @@ def tensor_inputs(arguments: Arguments, sig: Signature, args: tuple) -> TensorIn
     leaf_specs = arguments.leaf_specs(args, dyn, nums, dyn_kw)
     paths = _dyn_paths(args, nums, dyn_kw)
     out = TensorInputs([], [], [], [], paths, dyn_kw)
+    auto: dict[str, tuple[bool, str, Any]] = {}      # AUTO spec path -> holds a tensor
     for x, (spath, spec), apath in zip(sig.leaves, leaf_specs, paths):
+        if spec is AUTO:
+            seen = auto.get(spath)
+            auto[spath] = (bool(seen and seen[0]) or isinstance(x, torch.Tensor),
+                           seen[1] if seen else apath, seen[2] if seen else x)
         if not isinstance(x, torch.Tensor):
             continue
         x = _torch.functorch_base(x)       # under torch.func.grad: the tensor it wraps
+        if spec is AUTO:                   # laid out by the solver (sharded/auto/)
+            check_on_mesh(x, mesh, apath, arguments.name)
+            out.specs.append(AUTO)
+            out.placements.append(None)
+            out.metas.append(x)
+            out.paths.append(apath)
+            continue
         spec = P() if spec is None else spec
         check_spec(spec, x.shape, mesh, f"{spath} (for {apath})")
         check_on_mesh(x, mesh, apath, arguments.name, stage_slices=True)
@@ -526,6 +558,12 @@ def tensor_inputs(arguments: Arguments, sig: Signature, args: tuple) -> TensorIn
         out.placements.append(to_placements(spec, mesh))
         out.metas.append(x)
         out.paths.append(apath)
+    for spath, (has_tensor, apath, x) in auto.items():
+        if not has_tensor:
+            raise ValueError(
+                f"{arguments.name}: {spath} is AUTO but covers {apath} = {x!r:.60} "
+                f"({type(x).__name__}), which holds no tensor: AUTO lays out tensors. "
+                f"Give None (or P()) there, or pass it as a static argument.")
     return out
 
 

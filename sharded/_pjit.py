@@ -35,6 +35,8 @@ def pjit(
     static_argnames: str | Iterable[str] = (),
     donate_argnums: int | Sequence[int] = (),
     donate_argnames: str | Iterable[str] = (),
+    memory_budget: int | None = None,
+    cost_model=None,
 ):
     """Partition ``fn`` over ``mesh`` and return a jitted callable.
 
@@ -55,6 +57,11 @@ def pjit(
       consumes: the program may compute its outputs in their storage (a train step
       updates parameters and moments in place), and reading one afterwards raises.
       See docs/concepts.md, "Donation".
+    - ``AUTO`` (``from sharded import AUTO``) in in_specs or out_specs, for any
+      subtree: a solver chooses those layouts (docs/auto.md); ``.lower(...).in_specs``
+      are the chosen specs and ``.lower(...).explain()`` says why. ``memory_budget``:
+      bytes per rank the step's state (inputs and outputs) may take; ``cost_model``:
+      a ``sharded.auto.CostModel`` (default: measured on the mesh at first use).
 
     A call whose tensor inputs require grad, or that runs under ``torch.func.grad``,
     ``vjp`` or ``jacrev``, is differentiable: its backward is a partitioned program
@@ -71,9 +78,11 @@ def pjit(
             pjit, in_specs=in_specs, out_specs=out_specs, mesh=mesh, mode=mode,
             static_argnums=static_argnums, static_argnames=static_argnames,
             donate_argnums=donate_argnums, donate_argnames=donate_argnames,
+            memory_budget=memory_budget, cost_model=cost_model,
         )
     return Pjit(fn, in_specs, out_specs, mesh, mode, static_argnums, donate_argnums,
-                static_argnames=static_argnames, donate_argnames=donate_argnames)
+                static_argnames=static_argnames, donate_argnames=donate_argnames,
+                memory_budget=memory_budget, cost_model=cost_model)
 
 
 class Pjit:
@@ -81,7 +90,7 @@ class Pjit:
     ``trace_count`` counts the programs it has used (one per input signature)."""
 
     def __init__(self, fn, in_specs, out_specs, mesh, mode, static_argnums, donate_argnums=(), *,
-                 static_argnames=(), donate_argnames=()):
+                 static_argnames=(), donate_argnames=(), memory_budget=None, cost_model=None):
         if not callable(fn):
             raise TypeError(f"pjit expects a callable; got {type(fn).__name__} {fn!r:.80}.")
         self.fn = fn
@@ -93,7 +102,13 @@ class Pjit:
             raise TypeError(f"pjit mode must be a sharded.modes.ParallelMode; got {self.mode!r}.")
         self.name = f"pjit({getattr(fn, '__name__', type(fn).__name__)})"
         self.arguments = Arguments(fn, self.name, in_specs, out_specs, static_argnums,
-                                   static_argnames, donate_argnums, donate_argnames)
+                                   static_argnames, donate_argnums, donate_argnames,
+                                   memory_budget, cost_model)
+        if self.arguments.auto and type(self.mode) is not DTensorExpandMode:
+            raise ValueError(
+                f"{self.name}: AUTO specs are decided by the layout solver, which lowers "
+                f"through the default mode (DTensorExpandMode); {self.mode!r} chooses layouts "
+                f"itself. Drop mode=..., or give every spec by hand.")
         try:
             config: tuple | None = ((type(self.mode), self.mode.cache_key()),
                                     *self.arguments.config())

@@ -86,6 +86,8 @@ class Forward(Program):
     donated_local: list = field(default_factory=list)  # ... their program input index
     donated_msgs: list = field(default_factory=list)
     reused: dict = field(default_factory=dict)     # donated input path -> output path
+    auto: dict | None = None             # AUTO specs: the solver's report (docs/auto.md)
+    auto_specs: tuple | None = None      # ... (in_specs, out_specs) with AUTO decided
 
     def __post_init__(self):
         # derived once, read per call: the tensor leaves' placements and the tensor

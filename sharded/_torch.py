@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
     DynamicOutputShapeException,
     FakeTensorMode,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from sharded import _registry
 
@@ -971,3 +971,203 @@ def is_noop_checkpoint_context(context_fn) -> bool:
     import torch.utils.checkpoint as tuc
 
     return context_fn is tuc.noop_context_fn
+
+
+# ---------------------------------------------------------------------------
+# DTensor's op strategies, for the AUTO layout solver (sharded/auto/)
+# ---------------------------------------------------------------------------
+
+class Candidates:
+    """A tensor argument of an op as the layout solver sees it: its fake value and the
+    placements it may arrive in (one per mesh axis each)."""
+
+    __slots__ = ("val", "placements")
+
+    def __init__(self, val, placements):
+        self.val = val
+        self.placements = list(placements)
+
+
+def _tensor_meta(val):
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    return TensorMeta(val.shape, val.stride(), val.dtype)
+
+
+def _spec_placements(spec):
+    """Placements of a DTensorSpec, or None (a non-tensor output)."""
+    return tuple(spec.placements) if spec is not None else None
+
+
+def op_strategies(op, args, kwargs, device_mesh) -> list | None:
+    """Every strategy DTensor's own rules allow for ``op`` when its tensor arguments
+    (``Candidates``, alone or in lists) may arrive in any of their placements: a list,
+    per list element for a foreach/fused op (one entry otherwise), of strategies
+    ``(output placements per output, input placements per tensor argument in flatten
+    order)``. None where the op has no strategy function (DTensor decomposes it or
+    propagates it by a rule): the solver probes it (``probe_op``).
+
+    An op with single-mesh-dim rules (most ops in torch 2.13) gets every combination
+    of its rules over the mesh axes, each ``_ShardingPlaceholder(d)`` a ``Shard(d)``
+    (DTensor's own expansion keeps only the shard kinds its inputs already have and
+    takes one layout per input); an op with a whole-mesh strategy function gets it
+    with each input's candidate placements."""
+    import itertools
+
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+    from torch.distributed.tensor._ops.single_dim_strategy import (
+        _ShardingPlaceholder, _resolve_foreach_elementwise_overload)
+    from torch.distributed.tensor.placement_types import Replicate
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    single = prop.op_single_dim_strategy_funcs.get(op)
+    fn = prop.op_strategy_funcs.get(op)
+    if single is None and fn is None:
+        return None
+
+    def is_list(a):
+        return isinstance(a, (list, tuple)) and a and all(isinstance(x, Candidates) for x in a)
+
+    def meta_of(a):
+        if isinstance(a, Candidates):
+            return _tensor_meta(a.val)
+        if is_list(a):
+            return [_tensor_meta(x.val) for x in a]
+        return a
+
+    if single is not None:
+        n_axes = device_mesh.ndim
+        lists = [a for a in list(args) + list(kwargs.values()) if is_list(a)]
+        foreach = bool(lists) and op.name().startswith(("aten::_foreach_", "aten::_amp_foreach_",
+                                                        "aten::_fused_"))
+        elems = range(len(lists[0])) if foreach else [None]
+        out = []
+        for i in elems:
+            if i is None:
+                e_op, e_args, e_kwargs = op, args, kwargs
+            else:
+                e_op = _resolve_foreach_elementwise_overload(op) or op
+                e_args = [a[i] if is_list(a) else a for a in args]
+                e_kwargs = {k: (v[i] if is_list(v) else v) for k, v in kwargs.items()}
+            rules = single.func(e_op, tuple(meta_of(a) for a in e_args),
+                                {k: meta_of(v) for k, v in e_kwargs.items()})
+            n_in = sum(1 if isinstance(a, Candidates) else len(a) if is_list(a) else 0
+                       for a in list(e_args) + list(e_kwargs.values()))
+            rules = [[Shard(p.dim) if isinstance(p, _ShardingPlaceholder) else p for p in r]
+                     for r in rules]
+            width = len(rules[0]) if rules else None
+            if width is None:
+                out.append([])
+                continue
+            n_out = width - n_in
+            if not any(all(p is None or isinstance(p, Replicate) for p in r) for r in rules):
+                rules.insert(0, [Replicate()] * width)
+            found = []
+            for combo in itertools.product(rules, repeat=n_axes):
+                outs = tuple(None if any(r[k] is None for r in combo) else tuple(r[k] for r in combo)
+                             for k in range(n_out))
+                ins = tuple(None if any(r[k] is None for r in combo) else tuple(r[k] for r in combo)
+                            for k in range(n_out, width))
+                found.append((outs, ins))
+            out.append(found)
+        return out
+
+    # a whole-mesh strategy function expects each input as DTensor passes it at run time
+    # (one layout each; some index the inputs' strategy lists in step): call it per
+    # combination of the inputs' candidate layouts (each input's own list while their
+    # product is small, else per layout of the input with the most, the others in
+    # their first), and collect what it allows
+    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, Candidates)]
+    if not tensors:
+        return None
+    total = 1
+    for t in tensors:
+        total *= len(t.placements)
+    if total <= 48:
+        combos = list(itertools.product(*[t.placements for t in tensors]))
+    else:
+        main = max(range(len(tensors)), key=lambda k: len(tensors[k].placements))
+        combos = [tuple(pl if k == main else t.placements[0] for k, t in enumerate(tensors))
+                  for pl in tensors[main].placements]
+    info = prop.op_to_schema_info.get(op)
+    found: list = []
+    for combo in combos:
+        pick = dict(zip(map(id, tensors), combo))
+
+        def wrap(a):
+            if isinstance(a, Candidates):
+                spec = DTensorSpec(device_mesh, tuple(pick[id(a)]), tensor_meta=_tensor_meta(a.val))
+                return OpStrategy([OpSpec(spec)])
+            return a
+
+        schema = OpSchema(op, tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()},
+                          schema_info=info)
+        try:
+            strategy = fn(schema)
+        except Exception:       # noqa: BLE001 (no strategy for this combination)
+            continue
+        if not isinstance(strategy, OpStrategy):
+            return None
+        for st in strategy.strategies:
+            outs = st.output_specs
+            outs = (tuple(_spec_placements(o) for o in outs) if isinstance(outs, tuple)
+                    else (_spec_placements(outs),))
+            ins = tuple(_spec_placements(i) for i in (st.input_specs or ()))
+            if not ins:         # (no input specs: every input in the output's layout)
+                ins = tuple(outs[0] for _ in tensors)
+            if (outs, ins) not in found:
+                found.append((outs, ins))
+    return [found]
+
+
+def _rebuilt(a, device_mesh):
+    """A Candidates argument as the DTensorSpec of its first placement (for the output's
+    tensor meta, which does not depend on the placements)."""
+    if isinstance(a, Candidates):
+        return build_dtensor_spec(device_mesh, a.placements[0], a.val.shape, a.val.stride(),
+                                  a.val.dtype)
+    if isinstance(a, (list, tuple)) and a and all(isinstance(x, Candidates) for x in a):
+        return [_rebuilt(x, device_mesh) for x in a]
+    return a
+
+
+def probe_op(op, args, kwargs, device_mesh):
+    """DTensor's own plan for ``op`` with its tensor arguments (``Candidates`` with one
+    placement each) in those placements: ``(output placements per output, the
+    placements it moves each tensor argument to, in flatten order)``; None where
+    DTensor cannot plan it."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema
+    from torch.utils import _pytree
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    args_s = tuple(_rebuilt(a, device_mesh) for a in args)
+    kwargs_s = {k: _rebuilt(v, device_mesh) for k, v in kwargs.items()}
+    schema = OpSchema(op, args_s, kwargs_s, schema_info=prop.op_to_schema_info.get(op))
+    try:
+        sharding = prop.propagate_op_sharding(schema)
+    except Exception:       # noqa: BLE001 (any failure: the op cannot be planned here)
+        return None
+    outs = sharding.output_spec
+    outs = (tuple(o.placements if isinstance(o, DTensorSpec) else None for o in outs)
+            if isinstance(outs, (tuple, list)) else
+            (tuple(outs.placements) if isinstance(outs, DTensorSpec) else None,))
+    have = [x for x in _pytree.tree_leaves((args_s, kwargs_s)) if isinstance(x, DTensorSpec)]
+    wanted = have
+    if sharding.needs_redistribute and sharding.redistribute_schema is not None:
+        r = sharding.redistribute_schema
+        wanted = [x for x in _pytree.tree_leaves((r.args_schema, r.kwargs_schema))
+                  if isinstance(x, DTensorSpec)]
+        if len(wanted) != len(have):
+            return None
+    return outs, tuple(tuple(w.placements) for w in wanted)
+
+
+def flop_formula(target):
+    """torch.utils.flop_counter's formula for ``target`` (an OpOverload), or None:
+    ``formula(*args, **kwargs, out_val=out)`` on fake tensors gives its flops."""
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(target, "overloadpacket", None)
+    return flop_registry.get(packet) if packet is not None else None

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import optree
 
-from sharded.spec import P
+from sharded.spec import AUTO, P
 
 NONE_IS_LEAF = True
 NAMESPACE = "sharded"
@@ -57,7 +57,7 @@ def unflatten(treedef, leaves):
 
 
 def is_spec_leaf(x) -> bool:
-    return x is None or isinstance(x, P)
+    return x is None or isinstance(x, P) or x is AUTO
 
 
 def fmt_entry(kind, entry) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sharded.auto._explain import explain as explain_report
 from sharded.passes import collectives, cost, memory
 
 
@@ -22,6 +23,12 @@ class Lowered:
       sharded/_autograd.py); None otherwise.
     - ``donated``: ``{donated input path: output path that shares its storage, or
       None}`` (NOTE [Donation] in sharded/_program.py); empty without donation.
+    - AUTO specs (docs/auto.md): ``layouts`` is ``{"inputs": {path: P}, "outputs":
+      {path: P}}``, the specs the solver chose; ``in_specs`` and ``out_specs`` are the
+      pjit's in_specs and out_specs with every AUTO decided (a spec per tensor, in
+      the arguments' structure: reusable as hand-written specs); ``auto`` is the
+      solver's report (the terms of its objective, the memory, the times) and
+      ``explain()`` says it in words, block by block.
     - ``pipeline``: for a step that calls ``sharded.pipeline(...)``, its schedule:
       stages, per-stage and per-rank memory, the bubble fraction and each rank's
       sends, receives and compute slots (docs/pipeline.md); None otherwise.
@@ -45,7 +52,20 @@ class Lowered:
         # The layout a mode chose for each input and output, where it chooses them
         # (DataParallelMode: {"inputs": {path: (kind, P)}, "outputs": {...}}).
         self.layouts = compiled.layouts
+        self.auto = getattr(compiled, "auto", None)
+        self.out_specs = None
+        if self.auto is not None:
+            self.in_specs, self.out_specs = compiled.auto_specs
         self.pipeline = compiled.pipeline_report() if hasattr(compiled, "pipeline_report") else None
+
+    def explain(self) -> str:
+        """Why the AUTO solver chose these layouts: the chosen spec per block of
+        inputs, the predicted compute, communication and memory, and the moves it pays
+        for, most expensive first (a call with AUTO specs only)."""
+        if self.auto is None:
+            raise ValueError(f"{self.name}: explain() describes AUTO specs; this pjit has none "
+                             f"(every spec was given by hand).")
+        return explain_report(self.auto, self.cost()["total"])
 
     def collectives(self):
         """Each collective of this rank's program, in program order (a pipelined

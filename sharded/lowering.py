@@ -34,6 +34,7 @@ from sharded._fingerprint import ambient_text, fmt_meta, program_lines, stable_r
 from sharded._program import Backward, Forward
 from sharded._region import mutated_inputs
 from sharded._trace import trace_global
+from sharded.auto._decide import AutoRequest, decide
 from sharded.mesh import mesh_device
 from sharded.modes import ParallelMode
 from sharded.modes.base import run_passes
@@ -55,12 +56,14 @@ class LocalProgram:
     layouts: dict | None           # the mode's report (Lowered.layouts)
     n_draws: int                   # random draws per call (the seed and offset inputs)
     times: dict = field(default_factory=dict)   # seconds: partition, passes
+    auto: dict | None = None       # AUTO specs: the solver's report (sharded/auto/)
+    out_specs: list | None = None  # ... the out_specs with AUTO decided
 
 
 def lower_graph(gm: fx.GraphModule, mode: ParallelMode, mesh, in_placements: list,
                 out_specs: list, *, name: str, n_out: int | None = None,
                 donated: Sequence[int] = (), agreement_point: bool = False,
-                passes: bool = True) -> LocalProgram:
+                passes: bool = True, auto: AutoRequest | None = None) -> LocalProgram:
     """Rewrite, partition and pass ``gm`` (placeholders named by ``meta[META_PATH]``).
     ``out_specs``: a P or None per output (None: the mode decides); ``n_out``: the
     outputs that are the user's (the rest are residuals for a backward); ``donated``:
@@ -68,7 +71,9 @@ def lower_graph(gm: fx.GraphModule, mode: ParallelMode, mesh, in_placements: lis
     sharded/_program.py); ``agreement_point``: check the call's asynchronous agreement
     inside the program (NOTE [The agreement overlaps the program] in sharded/sync.py);
     ``passes=False``: stop after the partition (a pipelined step runs the passes on
-    each of its pieces: sharded/pipelining/_lower.py)."""
+    each of its pieces: sharded/pipelining/_lower.py); ``auto``: some input
+    placements are None and some out_specs AUTO: the solver decides them (the decide
+    step, sharded/auto/), after the rewrites and before the partition."""
     # -- rewrites (pre-partition: they change the global program) ----------------
     n_draws = rewrite_random_ops(gm, name)
     # after the random rewrite: a recomputed draw is the same draw (sharded/_remat.py)
@@ -81,8 +86,14 @@ def lower_graph(gm: fx.GraphModule, mode: ParallelMode, mesh, in_placements: lis
     out_vals = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
     n_saved = len(out_vals) - len(out_specs)
 
-    # -- decide and apply layouts (the mode) -----------------------------------------
+    # -- decide and apply layouts (the solver for AUTO specs, then the mode) ----------
     t0 = time.perf_counter()
+    decision = None
+    if auto is not None:
+        decision = decide(gm, mesh, list(in_placements) + rng, list(out_specs) + [None] * n_saved,
+                          auto)
+        in_placements = decision.in_placements[:len(in_placements)]
+        out_specs = decision.out_specs[:len(out_specs)]
     part = mode.partition(gm, list(in_placements) + rng, list(out_specs) + [None] * n_saved, mesh)
     if n_saved:
         res_specs = _plain_residual_specs(part.out_placements[-n_saved:], out_vals[-n_saved:], mesh)
@@ -96,8 +107,16 @@ def lower_graph(gm: fx.GraphModule, mode: ParallelMode, mesh, in_placements: lis
     local = passes_and_finalize(part.graph, mode, mesh, n_out, agreement_point) if passes \
         else part.graph
     got = list(part.in_placements) if part.in_placements is not None else None
-    return LocalProgram(local, got, list(part.out_placements), part.layouts, n_draws,
-                        {"partition": t1 - t0, "passes": time.perf_counter() - t1})
+    layouts, times = part.layouts, {"partition": t1 - t0, "passes": time.perf_counter() - t1}
+    if decision is not None:
+        got = list(in_placements) + rng
+        layouts = {"inputs": decision.report["inputs"], "outputs": decision.report["outputs"]}
+        times["decide"] = decision.report["build_s"] + decision.report["solve_s"] + \
+            decision.report["apply_s"]
+        times["partition"] -= times["decide"]
+    return LocalProgram(local, got, list(part.out_placements), layouts, n_draws, times,
+                        auto=decision.report if decision is not None else None,
+                        out_specs=list(out_specs))
 
 
 def passes_and_finalize(graph: fx.GraphModule, mode: ParallelMode, mesh, n_out: int | None,
@@ -150,6 +169,15 @@ def build_forward(arguments: Arguments, mode: ParallelMode, sig: Signature, args
             f"its buffers in place (BatchNorm) needs them cloned inside the function "
             f"and returned (docs/concepts.md, 'Module state')."
         )
+    if arguments.auto and (is_pipelined(global_gm) or global_gm.meta.get("joint") is not None):
+        raise NotImplementedError(
+            f"{name}: AUTO specs are decided for a whole train step traced by pjit; "
+            + ("this step calls pipeline(...), whose stages the solver does not place yet"
+               if is_pipelined(global_gm) else
+               "this call is differentiated from outside (its inputs require grad, or it "
+               "runs under torch.func.grad), which the solver does not handle yet")
+            + ". Give the specs by hand (lower an AUTO step without it and reuse "
+              "`.lower(...).in_specs`).")
     if is_pipelined(global_gm):            # pipeline(loss_fn) inside: docs/pipeline.md
         return build_pipelined(arguments=arguments, mode=mode, sig=sig, args=args,
                                run_state=run_state, global_gm=global_gm, inp=inp,
@@ -174,8 +202,10 @@ def build_forward(arguments: Arguments, mode: ParallelMode, sig: Signature, args
         node.meta[META_PATH] = path
     donated = arguments.donated_leaves(args, sig.static_argnums, inp.dyn_kw, sig.leaves)
     donated_local = [tensor_leaf[:j].count(True) for j in donated]
+    auto = AutoRequest(arguments.memory_budget, arguments.cost_model, out_paths, name) \
+        if arguments.auto else None
     low = lower_graph(global_gm, mode, mesh, inp.placements, out_specs, name=name, n_out=n_out,
-                      donated=donated_local, agreement_point=True)
+                      donated=donated_local, agreement_point=True, auto=auto)
     local_gm = low.graph
     # (read after the rewrites: a float16 loss's output is then its cast back)
     out_vals = next(n for n in reversed(global_gm.graph.nodes) if n.op == "output").args[0]
@@ -231,7 +261,32 @@ def build_forward(arguments: Arguments, mode: ParallelMode, sig: Signature, args
         donated=donated, donated_local=donated_local, reused=reused,
         donated_msgs=[f"{paths[j]} was donated to {name}; use the returned value"
                       for j in donated],
+        auto=low.auto,
+        auto_specs=_decided_specs(arguments, sig, in_specs, out_leaves, out_treedef,
+                                  low.out_specs) if low.auto is not None else None,
     )
+
+
+def _decided_specs(arguments: Arguments, sig: Signature, in_specs: list, out_leaves: list,
+                   out_treedef, out_specs: list) -> tuple:
+    """(in_specs, out_specs) of a call with AUTO specs, each AUTO decided: a spec per
+    tensor leaf (None for the others) in the arguments' and outputs' structure, so that
+    they can be given to pjit by hand (a dict by parameter name where in_specs was
+    one, else a tuple per positional argument, static ones left out)."""
+    specs = iter(in_specs)
+    per_leaf = [next(specs) if isinstance(x, torch.Tensor) else None for x in sig.leaves]
+    tree = _tree.unflatten(sig.treedef, per_leaf)
+    pos, kw = (tree, {}) if sig.static_kwargs is None else (tree[0], tree[1])
+    if isinstance(arguments.in_specs, dict):
+        params = arguments._params.positional if arguments._params is not None else ()
+        names = [k for i, k in enumerate(params) if i not in sig.static_argnums]
+        ins: Any = {**dict(zip(names, pos)), **kw}
+    else:
+        ins = tuple(pos)
+    outs = iter(out_specs)
+    out_tree = _tree.unflatten(out_treedef, [next(outs) if isinstance(v, torch.Tensor) else None
+                                             for v in out_leaves])
+    return ins, out_tree
 
 
 def build_backward(gm, joint, mode: ParallelMode, fwd: LocalProgram, out_vals, out_dt_specs,

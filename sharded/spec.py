@@ -20,7 +20,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from sharded import _torch
 
-__all__ = ["P", "PartitionSpec"]
+__all__ = ["AUTO", "P", "PartitionSpec"]
 
 
 class P:
@@ -83,6 +83,30 @@ class P:
 
 
 PartitionSpec = P
+
+
+class _Auto:
+    """The type of ``AUTO``: one instance, pickled and copied as itself."""
+
+    __slots__ = ()
+    _instance: "_Auto | None" = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self):
+        return "AUTO"
+
+    def __reduce__(self):
+        return (_Auto, ())
+
+
+# A spec the layout solver chooses (docs/auto.md): ``pjit(step, in_specs=(AUTO, P("dp")))``.
+# It may stand for any subtree of in_specs or out_specs; the chosen specs are
+# ``pjit(...).lower(...).in_specs``.
+AUTO = _Auto()
 
 
 def _strip(entries: tuple) -> tuple:

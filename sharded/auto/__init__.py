@@ -1,0 +1,1 @@
+"""Automatic sharding: ``AUTO`` specs decided by a solver (docs/auto.md)."""

@@ -1,0 +1,238 @@
+"""The decide step for AUTO specs: units (sharded/auto/_units.py), the layout program
+(sharded/auto/_solve.py), then the decisions written into the global program."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from sharded._registry import META_PATH
+from sharded.api import CONSTRAINT_OP, spec_text
+from sharded.auto._explain import report as _report
+from sharded.auto._solve import Infeasible, edge_costs, solve
+from sharded.auto._units import Builder, Unit, placements_of, set_input
+from sharded.auto.cost import CostModel
+from sharded.spec import AUTO, P, from_placements, to_placements
+
+
+@dataclass
+class AutoRequest:
+    """What pjit asks of the decide step: the budget, the cost model (None: the
+    mesh's, ``CostModel.for_mesh``) and the output paths (for ties)."""
+
+    budget: int | None = None
+    model: CostModel | None = None
+    out_paths: list = field(default_factory=list)
+    name: str = "pjit"
+
+
+@dataclass
+class Decision:
+    in_placements: list        # per graph input
+    out_specs: list            # per output: a P (AUTO ones decided) or None
+    report: dict
+
+
+def _expressible(pl, mesh, ndim) -> P | None:
+    try:
+        return from_placements(pl, mesh, ndim)
+    except ValueError:
+        return None
+
+
+def decide(gm: fx.GraphModule, mesh, in_placements: list, out_specs: list,
+           request: AutoRequest) -> Decision:
+    """Choose the layouts of the AUTO inputs and outputs of ``gm`` (``in_placements``
+    None, ``out_specs`` AUTO) and of every value in between, and write the choices
+    into ``gm``: a ``sharding_constraint`` where the solution moves a value (NOTE
+    [Applying the decisions])."""
+    t0 = time.perf_counter()
+    model = request.model or CostModel.for_mesh(mesh)
+    b = Builder(gm, mesh, model)
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    in_units = []
+    for node, pl in zip(placeholders, in_placements):
+        path = node.meta.get(META_PATH, node.name)
+        cands = placements_of(node.meta["val"], mesh, True) if pl is None else [tuple(pl)]
+        in_units.append(b.add_input(node, path, cands))
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            b.add_node(node)
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    out_vals = out_node.args[0]
+    out_units: list[int | None] = []
+    r = (Replicate(),) * len(mesh.shape)
+    for k, (a, spec) in enumerate(zip(out_vals, out_specs)):
+        v = b.value.get(a) if isinstance(a, fx.Node) else None
+        if not (isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], int)):
+            out_units.append(None)
+            continue
+        val = b.units[v[0]].vals[v[1]]
+        path = request.out_paths[k] if k < len(request.out_paths) else f"output[{k}]"
+        if spec is AUTO:
+            cands = placements_of(val, mesh, True)
+        elif spec is None:      # the propagated layout, its pending sums reduced
+            cands = None
+        else:
+            cands = [to_placements(spec, mesh)]
+        if cands is None:
+            unit = Unit(None, "output", [], [v], [], [val], path=path)
+            prod = b.units[v[0]]
+            seen = []
+            for outs, _ in prod.strategies:
+                got = tuple(Replicate() if isinstance(p, Partial) else p for p in outs[v[1]])
+                if got not in seen:
+                    seen.append(got)
+            unit.strategies = [((pl,), (pl,)) for pl in seen]
+        else:
+            unit = Unit(None, "output", [((pl,), (pl,)) for pl in cands], [v], [], [val], path=path)
+        unit.compute = [0.0] * len(unit.strategies)
+        b.units.append(unit)
+        out_units.append(len(b.units) - 1)
+
+    units = b.units
+    mesh_shape = tuple(mesh.shape)
+    order = {node: k for k, node in enumerate(gm.graph.nodes)}
+    edges = edge_costs(units, model, mesh_shape, order)
+    memory = []
+    for i in in_units + [u for u in out_units if u is not None]:
+        val = units[i].vals[0]
+        memory.append((i, [_bytes(val, outs[0], mesh_shape) for outs, _ in units[i].strategies]))
+    ties = _ties(units, in_units, out_units, out_specs, in_placements)
+    t1 = time.perf_counter()
+    try:
+        sol = solve(units, edges, memory, request.budget, ties)
+    except Infeasible as e:
+        raise ValueError(
+            f"{request.name}: no layout fits memory_budget={request.budget:,} bytes per rank "
+            f"on {mesh!r}: the smallest layout of the step's inputs and outputs takes "
+            f"{e.smallest:,} bytes per rank (every AUTO tensor sharded as far as the mesh "
+            f"divides it). Raise the budget, use a larger mesh, or shard the fixed specs."
+        ) from None
+    t2 = time.perf_counter()
+    # -- apply ------------------------------------------------------------------------
+    moves = _apply(gm, units, sol.choice, mesh)
+    new_in = []
+    for i, pl in zip(in_units, in_placements):
+        new_in.append(units[i].strategies[sol.choice[i]][0][0] if pl is None else pl)
+    new_out = []
+    for u, spec in zip(out_units, out_specs):
+        if spec is AUTO and u is not None:
+            pl = units[u].strategies[sol.choice[u]][0][0]
+            new_out.append(from_placements(pl, mesh, units[u].vals[0].ndim))
+        else:
+            new_out.append(None if spec is AUTO else spec)
+    report = _report(units, sol, in_units, out_units, edges, moves, mesh, model, request,
+                     b.unsupported, {"build_s": t1 - t0, "solve_s": t2 - t1,
+                                     "apply_s": time.perf_counter() - t2})
+    return Decision(new_in, new_out, report)
+
+
+def _bytes(val, pl, mesh_shape) -> int:
+    n = val.numel() * val.element_size()
+    for size, p in zip(mesh_shape, pl):
+        if type(p) is Shard:
+            n //= size
+    return n
+
+
+def _norm(path: str) -> str:
+    """A path with its leading argument/output index kept and list indices inside it
+    replaced by ``*`` (the layers of a stack of blocks)."""
+    return re.sub(r"\[(\d+)\]", "[*]", path)
+
+
+def _ties(units, in_units, out_units, out_specs, in_placements) -> list:
+    """An AUTO output with an AUTO input of the same path (after ``args``/``output``),
+    shape and dtype takes its layout (NOTE [The layout program])."""
+    by_path = {}
+    for i, pl in zip(in_units, in_placements):
+        if pl is None:
+            p = units[i].path or ""
+            by_path[p.split("args", 1)[-1] if p.startswith("args") else p] = i
+    ties = []
+    for u, spec in zip(out_units, out_specs):
+        if u is None or spec is not AUTO:
+            continue
+        p = units[u].path or ""
+        key = p.split("output", 1)[-1] if p.startswith("output") else p
+        i = by_path.get(key)
+        if i is None:
+            continue
+        a, b = units[i], units[u]
+        if a.vals[0].shape != b.vals[0].shape or a.vals[0].dtype != b.vals[0].dtype:
+            continue
+        index = {outs[0]: k for k, (outs, _) in enumerate(b.strategies)}
+        pairs = [(k, index[outs[0]]) for k, (outs, _) in enumerate(a.strategies) if outs[0] in index]
+        if len(pairs) == len(a.strategies):
+            ties.append((i, u, pairs))
+    return ties
+
+
+# NOTE [Applying the decisions]
+# The solution becomes the program through the partitioner that runs every pjit step
+# (DTensorExpandMode): the chosen layouts of the AUTO inputs are their specs, and a
+# ``sharded::sharding_constraint`` goes on each edge where the solution moves a value
+# (the reader's strategy needs another layout than its producer gives), so DTensor's
+# per-op propagation, which picks the cheapest strategy for the layouts its inputs
+# arrive in, meets each op with its inputs already in the chosen strategy's layouts.
+# A move to a layout no P expresses (to a Partial: free, a local division) is left to
+# DTensor, which makes its own choice there; ``report["unapplied"]`` counts them. A
+# shard that moves to another dim over the same axis goes through replicated (an
+# all-gather, then a local slice): DTensor's all-to-all for it has no CPU path (gloo
+# has none; torch gathers instead) and fails on an abstract mesh.
+
+def _apply(gm, units, choice, mesh) -> dict:
+    g = gm.graph
+    applied, unapplied = 0, 0
+    made: dict = {}
+    for n, unit in enumerate(units):
+        if unit.kind != "op":
+            continue
+        _, ins = unit.strategies[choice[n]]
+        for j, (u, o) in enumerate(unit.inputs):
+            prod = units[u]
+            have = prod.strategies[choice[u]][0][o]
+            want = ins[j]
+            if have == want:
+                continue
+            spec = _expressible(want, mesh, prod.vals[o].ndim)
+            if spec is None:
+                unapplied += 1
+                continue
+            src = _source_node(unit, j)
+            # a shard moving to another dim of the same axis goes through replicated
+            # (DTensor's all-to-all for it has no CPU path: NOTE [Applying the decisions])
+            via = tuple(Replicate() if type(a) is Shard and type(b) is Shard and a.dim != b.dim
+                        else b for a, b in zip(have, want))
+            steps = [_expressible(via, mesh, prod.vals[o].ndim)] if via != want else []
+            for step in [s_ for s_ in steps if s_ is not None] + [spec]:
+                key = (src, step)
+                if key not in made:
+                    with g.inserting_before(unit.node):
+                        c = g.call_function(CONSTRAINT_OP, (src, spec_text(step)))
+                    c.meta["val"] = src.meta["val"]
+                    c.meta["stack_trace"] = unit.node.meta.get("stack_trace")
+                    made[key] = c
+                src = made[key]
+            set_input(unit.node, unit.setters[j], src)
+            applied += 1
+    g.lint()
+    return {"applied": applied, "unapplied": unapplied}
+
+
+def _source_node(unit: Unit, j: int) -> fx.Node:
+    (container, key, pos) = unit.setters[j]
+    node = unit.node
+    if container == "args":
+        return node.args[key]
+    if container == "kwargs":
+        return node.kwargs[key]
+    outer, okey = container
+    seq = node.args[okey] if outer == "args" else node.kwargs[okey]
+    return seq[key]

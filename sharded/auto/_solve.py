@@ -1,0 +1,235 @@
+"""The AUTO layout solver: an integer program over the units' strategies (NOTE [The
+layout program]), solved by HiGHS through scipy.optimize.milp."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import sparse
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from sharded import _torch
+from sharded.auto._units import Unit
+from sharded.auto.cost import redistribute_seconds
+
+
+# NOTE [The layout program]
+# One binary x[u, k] per unit u and strategy k, exactly one per unit. The objective, in
+# seconds per call of the step under the cost model:
+#   compute   sum over ops of the chosen strategy's compute (its flops and bytes over
+#             the ranks that split it);
+#   moves     per edge (a value read by an op, or returned), the redistribution from
+#             the layout its producer gives to the layout the reader's strategy needs.
+# An edge's cost depends on two decisions. The producer's strategies are grouped by
+# the layout p they give the value, the reader's by the layout q they need; one
+# continuous y[e, p, q] per pair, with the marginals  sum_q y[e, p, q] = sum over the
+# producer's strategies giving p of x  and  sum_p y[e, p, q] = sum over the reader's
+# strategies needing q of x  (the local polytope of a pairwise model: its LP
+# relaxation is tight on a tree, so HiGHS rarely branches; a big-M form with one
+# variable per reader strategy was ~1000x slower to solve). An edge where one side
+# gives or needs one layout whatever it chooses is linear in the other side's x.
+# Memory: the bytes per rank of the inputs and the outputs in their chosen layouts
+# (the state the step holds) are at most the budget.
+# Ties: an AUTO output with an AUTO input of the same path, shape and dtype (the
+# parameters a step returns) takes that input's layout: a train loop then feeds each
+# step's outputs to the next with no redistribution.
+
+
+@dataclass
+class Solution:
+    choice: list[int]          # per unit: the chosen strategy
+    objective: float
+    compute_s: float
+    moves_s: float
+    memory_bytes: int
+    solve_s: float
+    variables: int
+    constraints: int
+    status: str
+
+
+class Infeasible(Exception):
+    def __init__(self, smallest: int):
+        self.smallest = smallest
+
+
+# NOTE [Reductions are bucketed]
+# The passes gather the step's all-reduces into buckets (sharded/passes/bucketing.py),
+# so a Partial -> Replicate move in the step's tail (read only after its last matmul:
+# the optimizer's gradients, or gradients returned as they are) pays its bytes but not
+# a collective's latency of its own: a data-parallel step's dozens of gradient
+# all-reduces are a few collectives. Without this the solver would gather a small
+# batch to every rank (a few latencies) rather than reduce every gradient (a latency
+# each, as it would count them). A reduction read before then (a row-parallel
+# matmul's output, read by the next op) pays its latency.
+
+def _bucketed_latency(model, p, q, mesh_shape) -> float:
+    """The latencies to take off the move p -> q: one per axis it all-reduces."""
+    lat = 0.0
+    for size, a, b in zip(mesh_shape, p, q):
+        if size > 1 and a.is_partial() and b.is_replicate():
+            lat += model.collective_seconds("all_reduce", 0, size)
+    return lat
+
+
+_HEAVY = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::convolution",
+          "aten::convolution_backward", "aten::embedding_dense_backward")
+
+
+def edge_costs(units: list[Unit], model, mesh_shape, order: dict) -> list:
+    """Per (unit, tensor input): (producer unit, cost matrix [k_producer][s_reader]),
+    and per output unit likewise (NOTE [Reductions are bucketed]); ``order``: each
+    node's position in the program."""
+    heavy = [order[u.node] for u in units if u.node is not None and u.kind == "op"
+             and _torch.op_name(u.node.target) in _HEAVY]
+    last_heavy = max(heavy, default=-1)
+    out = []
+    for n, unit in enumerate(units):
+        tail = unit.node is None or order.get(unit.node, -1) > last_heavy
+        for j, (u, o) in enumerate(unit.inputs):
+            prod = units[u]
+            val = prod.vals[o]
+            shape, itemsize = tuple(val.shape), val.element_size()
+            src = [outs[o] for outs, _ in prod.strategies]
+            dst = [ins[j] for _, ins in unit.strategies]
+            c = np.array([[max(0.0, redistribute_seconds(model, p, q, shape, itemsize, mesh_shape)
+                                - (_bucketed_latency(model, p, q, mesh_shape) if tail else 0.0))
+                           for q in dst] for p in src])
+            out.append((n, j, u, c))
+    return out
+
+
+def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
+          ties: list[tuple[int, int, list[tuple[int, int]]]]) -> Solution:
+    """``memory``: (unit, bytes per strategy) for the units the budget counts;
+    ``ties``: (unit a, unit b, pairs (k_a, k_b) that agree): a and b choose agreeing
+    strategies."""
+    t0 = time.perf_counter()
+    offset = []
+    nx = 0
+    for unit in units:
+        offset.append(nx)
+        nx += len(unit.strategies)
+    c = np.zeros(nx)
+    for i, unit in enumerate(units):
+        c[offset[i]:offset[i] + len(unit.strategies)] += unit.compute
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    y_cost: list[float] = []
+    r = 0
+    # exactly one strategy per unit
+    for i, unit in enumerate(units):
+        for k in range(len(unit.strategies)):
+            rows.append(r)
+            cols.append(offset[i] + k)
+            vals.append(1.0)
+        lo.append(1.0)
+        hi.append(1.0)
+        r += 1
+    ny = 0
+    for n, j, u, cm in edges:
+        if not cm.any():
+            continue
+        ku, kn = cm.shape
+        if ku == 1:                       # the producer is fixed: linear in the reader
+            c[offset[n]:offset[n] + kn] += cm[0]
+            continue
+        if kn == 1:                       # the reader is fixed: linear in the producer
+            c[offset[u]:offset[u] + ku] += cm[:, 0]
+            continue
+        # group the producer's strategies by the layout they give this value, the
+        # reader's by the layout they need it in (NOTE [The layout program])
+        gp = _groups(units[u].strategies, lambda st: st[0][units[n].inputs[j][1]])
+        gq = _groups(units[n].strategies, lambda st: st[1][j])
+        if len(gp) == 1 or len(gq) == 1:
+            # one side's layout is the same whatever it chooses: linear in the other
+            if len(gp) == 1:
+                for ks in gq:
+                    c[[offset[n] + s for s in ks]] += cm[0, ks[0]]
+            else:
+                for ks in gp:
+                    c[[offset[u] + k for k in ks]] += cm[ks[0], 0]
+            continue
+        base = nx + ny
+        ny += len(gp) * len(gq)
+        for a, ks in enumerate(gp):
+            for b, ss in enumerate(gq):
+                y_cost.append(float(cm[ks[0], ss[0]]))
+        for a, ks in enumerate(gp):       # sum_q y[p, q] = sum_{k gives p} x[u, k]
+            for b in range(len(gq)):
+                rows.append(r)
+                cols.append(base + a * len(gq) + b)
+                vals.append(1.0)
+            for k in ks:
+                rows.append(r)
+                cols.append(offset[u] + k)
+                vals.append(-1.0)
+            lo.append(0.0)
+            hi.append(0.0)
+            r += 1
+        for b, ss in enumerate(gq):       # sum_p y[p, q] = sum_{s needs q} x[n, s]
+            for a in range(len(gp)):
+                rows.append(r)
+                cols.append(base + a * len(gq) + b)
+                vals.append(1.0)
+            for s_ in ss:
+                rows.append(r)
+                cols.append(offset[n] + s_)
+                vals.append(-1.0)
+            lo.append(0.0)
+            hi.append(0.0)
+            r += 1
+    for a, b, pairs in ties:
+        # x[a, ka] == x[b, kb] for each agreeing pair; others of b are 0 where a has no pair
+        for ka, kb in pairs:
+            rows += [r, r]
+            cols += [offset[a] + ka, offset[b] + kb]
+            vals += [1.0, -1.0]
+            lo.append(0.0)
+            hi.append(0.0)
+            r += 1
+    mem_row = None
+    if budget is not None and memory:
+        mem_row = r
+        for i, sizes in memory:
+            for k, b in enumerate(sizes):
+                rows.append(r)
+                cols.append(offset[i] + k)
+                vals.append(float(b))
+        lo.append(-np.inf)
+        hi.append(float(budget))
+        r += 1
+    nvar = nx + ny
+    cost = np.concatenate([c, np.array(y_cost)])
+    A = sparse.csr_array((vals, (rows, cols)), shape=(r, nvar))
+    integrality = np.concatenate([np.ones(nx), np.zeros(ny)])
+    ub = np.ones(nvar)
+    res = milp(cost, integrality=integrality, bounds=Bounds(np.zeros(nvar), ub),
+               constraints=[LinearConstraint(A, lo, hi)], options={"disp": False})
+    if res.x is None:
+        if mem_row is not None:
+            raise Infeasible(smallest_memory(memory))
+        raise RuntimeError(f"the layout program has no solution ({res.message})")
+    x = res.x
+    choice = []
+    for i, unit in enumerate(units):
+        seg = x[offset[i]:offset[i] + len(unit.strategies)]
+        choice.append(int(np.argmax(seg)))
+    compute = float(sum(units[i].compute[k] for i, k in enumerate(choice)))
+    mem = int(sum(sizes[choice[i]] for i, sizes in memory))
+    return Solution(choice, float(res.fun), compute, float(res.fun) - compute, mem,
+                    time.perf_counter() - t0, nvar, r, str(res.message))
+
+
+def _groups(strategies, key) -> list[list[int]]:
+    """Strategy indices grouped by ``key`` (in order of first appearance)."""
+    out: dict = {}
+    for k, st in enumerate(strategies):
+        out.setdefault(key(st), []).append(k)
+    return list(out.values())
+
+
+def smallest_memory(memory: list) -> int:
+    """The least bytes the budgeted units can take (each at its smallest layout)."""
+    return int(sum(min(sizes) for _, sizes in memory))

@@ -1,0 +1,195 @@
+"""The cost model of automatic sharding (sharded/auto/cost.py): the stated H100 table,
+redistribution prices, JSON, the per-machine cache, predictions of lowered programs,
+and measuring on real gloo ranks (every rank gets rank 0's model)."""
+
+import json
+import os
+import types
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from sharded import Mesh, P, _torch, pjit
+from sharded.auto import cost
+from sharded.auto.cost import CostModel, predict, redistribute_seconds
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
+
+
+def test_h100_prices_grow_with_bytes_and_group_size():
+    m = CostModel.h100()
+    assert m.flops_per_s == cost.H100_FP32_FLOPS and m.bytes_per_s == cost.H100_HBM_BYTES_PER_S
+    for kind in KINDS:
+        assert m.collective_seconds(kind, 1 << 30, 1) == 0.0
+        by_bytes = [m.collective_seconds(kind, b, 8) for b in (0, 1 << 10, 1 << 20, 1 << 30)]
+        assert by_bytes == sorted(by_bytes) and by_bytes[0] > 0 and by_bytes[-1] > by_bytes[1]
+        by_size = [m.collective_seconds(kind, 1 << 26, n) for n in (2, 4, 8, 16, 64, 512)]
+        assert by_size == sorted(by_size), kind
+    # within a node (NVLink) much cheaper than across nodes (InfiniBand)
+    assert m.collective_seconds("all_reduce", 1 << 28, 16) > 5 * m.collective_seconds("all_reduce", 1 << 28, 8)
+    # ring all-reduce: 2 (n - 1) / n of the buffer over the bus bandwidth, plus latency
+    want = cost.H100_NVLINK_LATENCY_S + 2 * 7 / 8 * 2**30 / cost.H100_NVLINK_BUS_BYTES_PER_S
+    assert m.collective_seconds("all_reduce", 2**30, 8) == pytest.approx(want)
+    assert m.collective_seconds("ppermute", 100, 2) == m.collective_seconds("send", 100, 2)
+    # a roofline: the slower of flops and bytes
+    assert m.compute_seconds(67e12, 0) == pytest.approx(1.0)
+    assert m.compute_seconds(0, 3.35e12) == pytest.approx(1.0)
+    assert CostModel.h100("bf16").flops_per_s == cost.H100_BF16_FLOPS
+    with pytest.raises(ValueError, match="precision must be one of"):
+        CostModel.h100("fp8")
+    with pytest.raises(ValueError, match="unknown collective kind 'gather'"):
+        m.collective_seconds("gather", 8, 2)
+
+
+def test_rows_per_group_size_and_fallbacks():
+    m = CostModel("t", 1e9, 1e9, collectives=(("all_reduce", 2, 1.0, 0.0),
+                                              ("all_reduce", 4, 2.0, 0.0)))
+    assert [m.collective_seconds("all_reduce", 8, n) for n in (1, 2, 3, 4, 64)] == [0, 1, 1, 2, 2]
+    # a kind without rows is priced as another kind's
+    assert m.collective_seconds("all_gather", 8, 2) == 1.0
+    bare = CostModel("bare", 1e9, 1e9)
+    assert bare.collective_seconds("all_reduce", 8, 1) == 0.0
+    with pytest.raises(ValueError, match="no figures for 'all_reduce'"):
+        bare.collective_seconds("all_reduce", 8, 2)
+    with pytest.raises(ValueError, match="must be positive"):
+        CostModel("bad", 0.0, 1.0)
+    with pytest.raises(ValueError, match="unknown collective kind"):
+        CostModel("bad", 1.0, 1.0, collectives=(("gather", 2, 0.0, 0.0),))
+
+
+def test_json_round_trip():
+    for m in (CostModel.h100(), CostModel.h100("tf32"),
+              CostModel("x", 1.5e9, 2.5e9, collectives=(("all_gather", 2, 1e-3, 1e-9),))):
+        back = CostModel.from_dict(json.loads(json.dumps(m.to_dict())))
+        assert back == m and hash(back) == hash(m)
+        assert back.collective_seconds("all_gather", 1 << 20, 2) == m.collective_seconds("all_gather", 1 << 20, 2)
+    with pytest.raises(ValueError, match="not a cost model"):
+        CostModel.from_dict({"name": "x"})
+    with pytest.raises(ValueError, match="malformed"):
+        CostModel.from_dict({"format": 1, "name": "x", "flops_per_s": 1.0})
+
+
+def test_redistribute_seconds():
+    m = CostModel.h100()
+    shape, full = (1024, 512), 1024 * 512 * 4
+    cs = m.collective_seconds
+
+    def rs(src, dst, mesh_shape=(8,)):
+        return redistribute_seconds(m, src, dst, shape, 4, mesh_shape)
+
+    assert rs((Shard(0),), (Replicate(),)) == cs("all_gather", full, 8)
+    assert rs((Partial(),), (Replicate(),)) == cs("all_reduce", full, 8)
+    assert rs((Partial(),), (Shard(1),)) == cs("reduce_scatter", full, 8)
+    assert rs((Shard(0),), (Shard(1),)) == cs("all_to_all", full // 8, 8)
+    assert rs((Shard(0),), (Partial(),)) == cs("all_gather", full, 8)
+    assert rs((Partial(),), (Partial("avg"),)) == cs("all_reduce", full, 8)
+    for src, dst in (((Replicate(),), (Shard(0),)), ((Replicate(),), (Partial(),)),
+                     ((Shard(1),), (Shard(1),)), ((Partial(),), (Partial(),))):
+        assert rs(src, dst) == 0.0
+    assert rs((Shard(0),), (Replicate(),), (1,)) == 0.0        # one rank: nothing moves
+    # a _StridedShard is a Shard of its dim
+    assert rs((_torch.strided_shard(0, 2),), (Replicate(),)) == rs((Shard(0),), (Replicate(),))
+    # 2-D: axis by axis in mesh order, each on the block at that point
+    two = rs((Shard(0), Shard(0)), (Replicate(), Replicate()), (2, 4))
+    assert two == pytest.approx(cs("all_gather", full // 4, 2) + cs("all_gather", full, 4))
+    mixed = rs((Partial(), Shard(1)), (Shard(0), Replicate()), (2, 4))
+    assert mixed == pytest.approx(cs("reduce_scatter", full // 4, 2) + cs("all_gather", full // 2, 4))
+    # lists and tuples alike, answered from the cache
+    before = cost._redistribute.cache_info().hits
+    assert redistribute_seconds(m, [Shard(0)], [Replicate()], [1024, 512], 4, [8]) == rs(
+        (Shard(0),), (Replicate(),))
+    assert cost._redistribute.cache_info().hits > before
+    with pytest.raises(ValueError, match="one placement per mesh axis"):
+        rs((Shard(0),), (Replicate(),), (2, 2))
+    with pytest.raises(ValueError, match=r"Shard\(2\) of a tensor of shape"):
+        rs((Shard(2),), (Replicate(),))
+
+
+def _step(w, x, y):
+    grad, loss = torch.func.grad_and_value(lambda w: ((x @ w - y) ** 2).mean())(w)
+    return w - 0.1 * grad, loss
+
+
+def test_predict_on_an_abstract_mesh():
+    mesh = Mesh.abstract((4,), ("dp",))
+    args = (torch.empty(256, 128, device="meta"), torch.empty(512, 256, device="meta"),
+            torch.empty(512, 128, device="meta"))
+    dp = pjit(_step, in_specs=(P(), P("dp"), P("dp")), mesh=mesh).lower(*args)
+    rep = pjit(_step, in_specs=(P(), P(), P()), mesh=mesh).lower(*args)
+    a, b = predict(dp), predict(rep)
+    assert a == predict(dp, CostModel.h100())          # abstract mesh: the stated table
+    assert a["collectives"] == 2 and a["comm_by_kind"]["all_reduce"]["count"] == 2
+    # the gradient's all-reduce: 256 x 128 floats over 4 ranks
+    assert a["comm_s"] >= CostModel.h100().collective_seconds("all_reduce", 256 * 128 * 4, 4)
+    assert b["collectives"] == 0 and b["comm_s"] == 0.0 and a["comm_s"] > b["comm_s"]
+    for p in (a, b):
+        assert p["total_s"] == pytest.approx(p["compute_s"] + p["comm_s"]) and p["compute_s"] > 0
+    # the two matmuls' flops (forward and the weight's gradient) at least: 4x less per
+    # rank with the batch split 4 ways
+    mm_flops = 2 * (2 * 512 * 256 * 128)
+    assert b["compute_s"] >= mm_flops / cost.H100_FP32_FLOPS
+    assert a["compute_s"] < b["compute_s"]
+    with pytest.raises(NotImplementedError, match="pipelined step"):
+        predict(types.SimpleNamespace(pipeline={"stages": 2}, name="pjit(f)", mesh=mesh))
+
+
+def test_cache_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost, "_MEMO", {})
+    measured = []
+    real = cost._measure
+
+    def counting(cls, mesh, sizes, repeats):
+        measured.append(mesh)
+        return real(cls, mesh, sizes, repeats)
+
+    monkeypatch.setattr(cost, "_measure", counting)
+    assert CostModel.for_mesh(Mesh.abstract((8, 8), ("dp", "tp"))) == CostModel.h100()
+    mesh = Mesh((1,), ("dp",))
+    first = CostModel.for_mesh(mesh)
+    assert len(measured) == 1 and first.name.startswith("measured: ") and first.flops_per_s > 0
+    (path,) = tmp_path.iterdir()
+    data = json.loads(path.read_text())
+    assert data["key"]["mesh_shape"] == [1] and data["key"]["torch"] == torch.__version__
+    assert CostModel.from_dict(data["model"]) == first
+    assert CostModel.for_mesh(mesh) is first                 # the in-process memo
+    # a new process (memo empty) reads the file: a doctored figure shows it was read
+    data["model"]["flops_per_s"] = 1234.0
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(cost, "_MEMO", {})
+    assert CostModel.for_mesh(mesh).flops_per_s == 1234.0 and len(measured) == 1
+    # a malformed file, or one of another key, is a miss: measured and rewritten
+    for bad in ("{not json", json.dumps({**data, "key": {**data["key"], "torch": "0.0"}})):
+        path.write_text(bad)
+        monkeypatch.setattr(cost, "_MEMO", {})
+        assert CostModel.for_mesh(mesh).flops_per_s != 1234.0
+        assert json.loads(path.read_text())["key"] == data["key"]
+    assert len(measured) == 3
+
+
+def _measure_on_ranks(cache):
+    mesh = Mesh((2,), ("dp",))
+    measured = CostModel.measure(mesh, sizes=(4 << 10, 256 << 10, 1 << 20), repeats=2)
+    os.environ["SHARDED_CACHE_DIR"] = cache
+    try:
+        cost._MEMO.clear()
+        cached = CostModel.for_mesh(mesh)
+    finally:
+        del os.environ["SHARDED_CACHE_DIR"]
+    return measured.to_dict(), cached.to_dict(), sorted(os.listdir(cache))
+
+
+def test_measure_on_gloo_ranks(on_ranks, tmp_path):
+    results = on_ranks(2, _measure_on_ranks, str(tmp_path))
+    (m0, c0, files0), (m1, c1, _) = results
+    assert m0 == m1 and c0 == c1                   # rank 0's model on every rank
+    assert len(files0) == 1                        # rank 0 wrote the cache file
+    model = CostModel.from_dict(m0)
+    assert model.name.startswith("measured: gloo, 2 ranks")
+    assert model.flops_per_s > 0 and model.bytes_per_s > 0
+    assert {(k, n) for k, n, _, _ in model.collectives} == {
+        (k, 2) for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+    for _, _, lat, spb in model.collectives:
+        assert lat > 0 and spb > 0
+    assert model.collective_seconds("all_reduce", 1 << 20, 2) > model.collective_seconds("all_reduce", 0, 2) > 0
