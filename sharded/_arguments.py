@@ -11,7 +11,6 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import optree
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -301,9 +300,7 @@ class Arguments:
         self.in_specs = in_specs
         self.out_specs = out_specs
         # AUTO specs (docs/auto.md): whether any, the budget and the cost model
-        self.auto = any(x is AUTO for x in optree.tree_leaves(
-            (in_specs, out_specs), is_leaf=lambda x: _tree.is_spec_leaf(x) or x is UNSPECIFIED,
-            none_is_leaf=True))
+        self.auto = any(x is AUTO for x in _tree.spec_leaves((in_specs, out_specs)))
         if memory_budget is not None and not self.auto:
             raise ValueError(
                 f"{name}: memory_budget is the AUTO solver's bound; no in_specs or out_specs "

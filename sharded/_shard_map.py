@@ -30,7 +30,7 @@ from sharded.data import value_digests
 from sharded.mesh import Mesh, current_mesh
 from sharded.modes._expand import contiguous_strides
 from sharded.random.rewrite import RNG_STATE_OP
-from sharded.spec import P, axes_of_dim, check_spec, local_shape, to_placements
+from sharded.spec import AUTO, P, axes_of_dim, check_spec, local_shape, to_placements
 from sharded._trace import in_global_trace
 from sharded._arguments import check_on_mesh
 from sharded._pjit import Pjit
@@ -58,6 +58,14 @@ def shard_map(fn: Callable | None = None, /, *, mesh: Mesh | None = None, in_spe
 
 class ShardMap:
     def __init__(self, fn, mesh, in_specs, out_specs, check_vma):
+        name = f"shard_map({getattr(fn, '__name__', type(fn).__name__)})"
+        for what, specs in (("in_specs", in_specs), ("out_specs", out_specs)):
+            if any(x is AUTO for x in _tree.spec_leaves(specs)):
+                raise ValueError(
+                    f"{name}: {what} holds AUTO; a shard_map body is per-rank code, written "
+                    f"for the layouts its specs name, so they are given by hand. AUTO is "
+                    f"pjit's: pjit(step, in_specs=AUTO, ...) lays out the values around the "
+                    f"shard_map, which takes them in its own specs.")
         self.fn = fn
         self.mesh = mesh
         self.in_specs = in_specs

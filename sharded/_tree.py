@@ -60,6 +60,11 @@ def is_spec_leaf(x) -> bool:
     return x is None or isinstance(x, P) or x is AUTO
 
 
+def spec_leaves(specs) -> list:
+    """The spec leaves (P, None, AUTO) of a spec tree."""
+    return optree.tree_leaves(specs, is_leaf=is_spec_leaf, none_is_leaf=True, namespace=NAMESPACE)
+
+
 def fmt_entry(kind, entry) -> str:
     if kind == optree.PyTreeKind.DICT or kind == optree.PyTreeKind.DEFAULTDICT or kind == optree.PyTreeKind.ORDEREDDICT:
         return f"[{entry!r}]"

@@ -60,7 +60,8 @@ def report(units, sol, in_units, out_units, edges, moves, mesh, model, request,
                 nbytes //= size
         block, leaf = _block_of(u.path)
         row = blocks.setdefault(block, {"block": block, "specs": {}, "bytes": 0, "tensors": 0})
-        row["specs"].setdefault(leaf, text)
+        row["specs"].setdefault(leaf, {})
+        row["specs"][leaf][text] = row["specs"][leaf].get(text, 0) + 1
         row["bytes"] += nbytes
         row["tensors"] += 1
     for i in out_units:
@@ -111,6 +112,13 @@ def report(units, sol, in_units, out_units, edges, moves, mesh, model, request,
     }
 
 
+def _choices(found: dict) -> str:
+    """One spec, or each spec with how many of the block's tensors took it."""
+    if len(found) == 1:
+        return next(iter(found))
+    return " | ".join(f"{spec} x{n}" for spec, n in found.items())
+
+
 def explain(rep: dict, lowered_cost: dict | None = None) -> str:
     """The report as text: the chosen layout per block, then the terms of the
     objective (compute, moves, memory) and the most expensive moves."""
@@ -125,7 +133,7 @@ def explain(rep: dict, lowered_cost: dict | None = None) -> str:
              + (f" of a {rep['budget'] / mb:.2f} MiB budget" if rep.get("budget") else ""),
              "", "Chosen layout per block (inputs; list indices as *):"]
     for row in rep["blocks"]:
-        specs = ", ".join(f"{leaf or '.'}: {s}" for leaf, s in row["specs"].items())
+        specs = ", ".join(f"{leaf or '.'}: {_choices(s)}" for leaf, s in row["specs"].items())
         lines.append(f"  {row['block'] or '(top)'}  [{row['tensors']} tensors, "
                      f"{row['bytes'] / mb:.2f} MiB per rank]  {specs}")
     if rep["outputs"]:

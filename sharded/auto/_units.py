@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from sharded import _torch
+from sharded import _region, _torch
 from sharded.api import CONSTRAINT_OP, constraint_spec
 from sharded.spec import to_placements
 
@@ -230,6 +230,11 @@ class Builder:
         if target is CONSTRAINT_OP:               # the user's with_sharding_constraint
             pl = to_placements(constraint_spec(node.args[1]), self.mesh)
             return [((pl,), (pl,))]
+        if target is _region.REGION_OP:          # a shard_map: the layouts its specs name
+            region = _region.lookup(node.args[1], self.gm)
+            if len(region.in_placements) == len(flat):
+                return [(tuple(tuple(p) for p in region.out_placements),
+                         tuple(tuple(p) for p in region.in_placements))]
         if _torch.op_name(target) == _RNG:       # a draw: any layout, computed locally
             outs = placements_of(vals[0], self.mesh, True)
             return [((pl,), tuple((Replicate(),) * n for _ in flat)) for pl in outs]
