@@ -67,7 +67,13 @@ def test_json_round_trip():
     with pytest.raises(ValueError, match="not a cost model"):
         CostModel.from_dict({"name": "x"})
     with pytest.raises(ValueError, match="malformed"):
-        CostModel.from_dict({"format": 1, "name": "x", "flops_per_s": 1.0})
+        CostModel.from_dict({"format": cost._FORMAT, "name": "x", "flops_per_s": 1.0})
+    # format 1 (the free least-squares fit, whose latencies were noise) is refused
+    old = {**CostModel.h100().to_dict(), "format": 1}
+    with pytest.raises(ValueError, match=f"not a cost model of format {cost._FORMAT}"):
+        CostModel.from_dict(old)
+    assert "H100 NCCL (stated)" in CostModel.h100().describe()
+    assert "all_reduce" in CostModel.h100().describe()
 
 
 def test_redistribute_seconds():
@@ -152,6 +158,10 @@ def test_cache_file(tmp_path, monkeypatch):
     (path,) = tmp_path.iterdir()
     data = json.loads(path.read_text())
     assert data["key"]["mesh_shape"] == [1] and data["key"]["torch"] == torch.__version__
+    assert data["key"]["format"] == cost._FORMAT and data["model"]["format"] == cost._FORMAT
+    # a file of format 1 was keyed without the format: another file, never read
+    old_key = {k: v for k, v in data["key"].items() if k != "format"}
+    assert cost.cache_path(old_key) != path
     assert CostModel.from_dict(data["model"]) == first
     assert CostModel.for_mesh(mesh) is first                 # the in-process memo
     # a new process (memo empty) reads the file: a doctored figure shows it was read
@@ -193,3 +203,88 @@ def test_measure_on_gloo_ranks(on_ranks, tmp_path):
     for _, _, lat, spb in model.collectives:
         assert lat > 0 and spb > 0
     assert model.collective_seconds("all_reduce", 1 << 20, 2) > model.collective_seconds("all_reduce", 0, 2) > 0
+
+
+def _free_fit(points):
+    """Format 1's fit: a free least-squares line (the noise-bound one)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    mt = sum(t for _, t in points) / n
+    b = sum((x - mx) * (t - mt) for x, t in points) / sum((x - mx) ** 2 for x, _ in points)
+    return mt - b * mx, b
+
+
+def test_fit_is_robust_to_noise_at_the_large_sizes():
+    lat, spb = 300e-6, 1e-9                 # 0.3 ms, 1 GB/s
+    xs = [4 << 10, 64 << 10, 1 << 20, 4 << 20]
+    clean = [(x, lat + x * spb) for x in xs]
+    a, b = cost._fit(clean)
+    assert a == pytest.approx(lat) and b == pytest.approx(spb)
+    # the 4 MiB point preempted (+4 ms): a free line's intercept goes below zero (format
+    # 1 floored it at 1 us: the all-gather's 5 us); the pinned fit keeps the latency
+    noisy = [(x, t + extra) for (x, t), extra in zip(clean, (0, 0, 0, 4e-3))]
+    assert _free_fit(noisy)[0] < 1e-5
+    a, b = cost._fit(noisy)
+    assert a == pytest.approx(lat, rel=0.25) and spb <= b < 2.5 * spb
+    # a noisy small size: the lowest of the latency-bound points counts
+    a, _ = cost._fit([(x, t + extra) for (x, t), extra in zip(clean, (2e-3, 0, 0, 0))])
+    assert a == pytest.approx(lat, rel=0.05)
+    # no growth with size: a latency, and the floor for the slope
+    a, b = cost._fit([(x, 1e-3) for x in xs], min_slope=1e-12)
+    assert a == pytest.approx(1e-3) and b == 1e-12
+    # never below 1 us
+    assert cost._fit([(x, 1e-9) for x in xs])[0] == cost._MIN_LATENCY_S
+
+
+def test_fit_table_holds_the_kinds_together():
+    xs = [4 << 10, 64 << 10, 1 << 20, 4 << 20]
+    lats = {"all_reduce": 2.6e-3, "all_gather": 4.9e-6, "reduce_scatter": 1.3e-3,
+            "all_to_all": 0.9e-3}                          # format 1's 4-rank figures
+    times = {(k, 2, x): lat + x * 1e-9 for k, lat in lats.items() for x in xs}
+    times.update({("all_gather", 4, x): 5e-4 + x * 1e-6 for x in xs})
+    fits = cost._fit_table(times, bytes_per_s=1e12)
+    at2 = {k: fits[(k, 2)] for k in lats}
+    mid = sorted(lats.values())[1:3]
+    mid_lat = sum(mid) / 2
+    for k, (lat, spb) in at2.items():
+        assert mid_lat / cost._LATENCY_SPREAD <= lat <= mid_lat * cost._LATENCY_SPREAD
+        assert spb > 0
+    assert at2["all_gather"][0] == pytest.approx(mid_lat / cost._LATENCY_SPREAD)
+    assert at2["all_reduce"][0] == pytest.approx(2.6e-3, rel=1e-6)       # within the spread
+    # a group size is held on its own (one kind timed: nothing to hold it to)
+    assert fits[("all_gather", 4)][0] == pytest.approx(5e-4)
+    # the slope is floored at one pass through memory
+    slow = cost._fit_table({("all_reduce", 2, x): 1e-3 for x in xs}, bytes_per_s=1e10)
+    assert slow[("all_reduce", 2)][1] == pytest.approx(1e-10)
+
+
+def _measure_model(shape):
+    import time
+
+    mesh = Mesh(shape, ("dp", "tp")[:len(shape)])
+    t0 = time.perf_counter()
+    model = CostModel.measure(mesh)                 # the defaults, as for_mesh measures
+    return model.to_dict(), time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("world,shape", [(2, (2,)), (4, (2, 2))])
+def test_measured_latencies_are_consistent(on_ranks, world, shape):
+    results = on_ranks(world, _measure_model, shape)
+    dicts = [d for d, _ in results]
+    assert all(d == dicts[0] for d in dicts)          # the same model on every rank
+    model = CostModel.from_dict(dicts[0])
+    print(f"\n{model.describe()}\n  measured in {max(s for _, s in results):.2f} s")
+    assert model.name.startswith(f"measured: gloo, {world} ranks")
+    assert {(k, n) for k, n, _, _ in model.collectives} == {
+        (k, 2) for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+    lats = [lat for _, _, lat, _ in model.collectives]
+    # the same order across kinds: a few round trips over one transport each
+    assert max(lats) <= 20 * min(lats), model.describe()
+    assert min(lats) >= 10e-6, model.describe()       # loopback TCP: tens of us at least
+    for _, _, _, spb in model.collectives:
+        assert spb >= 1.0 / model.bytes_per_s
+    # a 4 MiB buffer costs more than a 4 KiB one, and both more than nothing
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        assert model.collective_seconds(kind, 4 << 20, 2) > model.collective_seconds(kind, 4 << 10, 2) > 0
+    # a couple of seconds at most, on a loaded 2-core machine too
+    assert max(s for _, s in results) < 6.0

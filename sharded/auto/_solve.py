@@ -37,6 +37,14 @@ from sharded.auto.cost import redistribute_seconds
 # step's outputs to the next with no redistribution.
 
 
+# HiGHS stops when its best layout is provably within this fraction of the optimum
+# (a gap, not a time limit: every rank stops at the same point and decides alike).
+MIP_GAP = 0.01
+# The program's units: microseconds and MiB (seconds of 1e-9 and bytes of 1e9 in one
+# matrix are below and above HiGHS's tolerances)
+_US, _MIB = 1e6, float(2 ** 20)
+
+
 @dataclass
 class Solution:
     choice: list[int]          # per unit: the chosen strategy
@@ -196,17 +204,17 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
             for k, b in enumerate(sizes):
                 rows.append(r)
                 cols.append(offset[i] + k)
-                vals.append(float(b))
+                vals.append(float(b) / _MIB)
         lo.append(-np.inf)
-        hi.append(float(budget))
+        hi.append(float(budget) / _MIB)
         r += 1
     nvar = nx + ny
-    cost = np.concatenate([c, np.array(y_cost)])
+    cost = np.concatenate([c, np.array(y_cost)]) * _US
     A = sparse.csr_array((vals, (rows, cols)), shape=(r, nvar))
     integrality = np.concatenate([np.ones(nx), np.zeros(ny)])
     ub = np.ones(nvar)
     res = milp(cost, integrality=integrality, bounds=Bounds(np.zeros(nvar), ub),
-               constraints=[LinearConstraint(A, lo, hi)], options={"disp": False})
+               constraints=[LinearConstraint(A, lo, hi)], options={"disp": False, "mip_rel_gap": MIP_GAP})
     if res.x is None:
         if mem_row is not None:
             raise Infeasible(smallest_memory(memory))
@@ -218,7 +226,8 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
         choice.append(int(np.argmax(seg)))
     compute = float(sum(units[i].compute[k] for i, k in enumerate(choice)))
     mem = int(sum(sizes[choice[i]] for i, sizes in memory))
-    return Solution(choice, float(res.fun), compute, float(res.fun) - compute, mem,
+    objective = float(res.fun) / _US
+    return Solution(choice, objective, compute, objective - compute, mem,
                     time.perf_counter() - t0, nvar, r, str(res.message))
 
 

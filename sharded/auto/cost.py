@@ -10,13 +10,16 @@ edge cost of the solver.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
+import importlib
 import json
 import math
 import os
 import socket
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import flop_registry
 
 from sharded import _torch
+from sharded.launch import launch as _launch
 from sharded.mesh import Mesh, mesh_device
 from sharded.passes.analysis import collectives as _collectives
 
@@ -109,7 +113,9 @@ H100_GPUS_PER_NODE = 8
 
 _H100_FLOPS = {"fp32": H100_FP32_FLOPS, "tf32": H100_TF32_FLOPS, "bf16": H100_BF16_FLOPS}
 
-_FORMAT = 1          # to_dict's "format"; from_dict refuses others
+# to_dict's "format"; from_dict refuses others, and it is part of the cache key. 2: the
+# robust fit of NOTE [Measuring] (format 1's free least-squares lines were noise-bound).
+_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -212,11 +218,12 @@ class CostModel:
 
     @classmethod
     def measure(cls, mesh: Mesh, *, sizes: Sequence[int] = (4 << 10, 64 << 10, 1 << 20, 4 << 20),
-                repeats: int = 3) -> "CostModel":
+                repeats: int = 5) -> "CostModel":
         """Time this machine (NOTE [Measuring]). Collective: call it on every rank of
-        ``mesh``; every rank returns the same model (rank 0's). ``sizes``: the buffer
-        bytes to time each collective at; ``repeats``: timed calls per size (the
-        median counts)."""
+        ``mesh``; every rank returns the same model. ``sizes``: the buffer bytes to
+        time each collective at (the smaller half sets the latencies, the larger half
+        the bandwidths); ``repeats``: timed calls per size (3x as many up to 64 KiB;
+        a low percentile counts)."""
         return _measure(cls, mesh, tuple(int(s) for s in sizes), int(repeats))
 
     @classmethod
@@ -226,6 +233,22 @@ class CostModel:
         (NOTE [The cost-model cache]). Collective on a mesh of real ranks: call it
         on every rank; they all get the same model."""
         return _for_mesh(cls, mesh)
+
+    def describe(self) -> str:
+        """The model as a table: compute rates, and per collective kind and group size
+        its latency, bus bandwidth and the seconds of a 4 KiB and a 4 MiB buffer."""
+        lines = [self.name,
+                 f"  matmul {self.flops_per_s / 1e9:,.1f} GFLOP/s, memory "
+                 f"{self.bytes_per_s / 1e9:,.1f} GB/s",
+                 f"  {'kind':<15}{'ranks':>6}{'latency':>12}{'bus GB/s':>10}"
+                 f"{'4 KiB':>12}{'4 MiB':>12}"]
+        for kind, n, lat, spb in self.collectives:
+            small = self.collective_seconds(kind, 4 << 10, n)
+            big = self.collective_seconds(kind, 4 << 20, n)
+            bus = f"{1 / spb / 1e9:10.2f}" if spb > 0 else f"{'inf':>10}"
+            lines.append(f"  {kind:<15}{n:>6}{lat * 1e6:>10.1f}us{bus}"
+                         f"{small * 1e6:>10.1f}us{big * 1e6:>10.1f}us")
+        return "\n".join(lines)
 
     # -- JSON ---------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -259,18 +282,49 @@ class CostModel:
 # CostModel.measure times, on each mesh axis of more than one rank, all_reduce,
 # all_gather_single, reduce_scatter_single and all_to_all_single with
 # torch.distributed on the axis's process group (float32 buffers of each of ``sizes``
-# bytes, one warm-up call, then ``repeats`` timed calls, each ended by a device
-# synchronize on CUDA; the median counts), a local matmul (flops/s) and an elementwise
-# add (bytes/s, its two reads and one write). Per kind and axis a least-squares line
-# ``t = latency + wire(kind, n) * nbytes * seconds_per_byte`` (NOTE [Collective cost])
-# is fitted; axes of one size keep the slower fit (at the largest size timed). A fit
-# with a negative slope or intercept is refitted without it, and the latency floored
-# at 1 us: a model has positive constants. Every rank times, but the ranks' clocks
-# and loads differ, so rank 0's model is broadcast (over the mesh's gloo agreement
-# group): every rank plans with the same numbers and so solves alike. On 4 gloo CPU
-# ranks it takes well under 2 s (the collectives on local CPU memory are cheap).
+# bytes), a local matmul (flops/s) and an elementwise add (bytes/s, its two reads and
+# one write). The machine may be noisy (4 gloo ranks on 2 shared cores are preempted
+# for milliseconds at a time, 10x a small collective's cost), and noise only ever adds
+# time, so each figure is a LOW PERCENTILE of single timed calls (after a warm-up call),
+# not their median nor their mean: the 20th percentile of ``repeats`` calls (3x as
+# many for buffers up to 64 KiB, which are cheap and whose noise is most of their
+# time), the lowest of fewer than 10; each call ends by a device synchronize on CUDA.
+# (Batches of back-to-back calls, meant to spread the skew of the ranks' arrivals,
+# did worse there: on 4 ranks of 2 cores one call in three or four of a 4 KiB buffer
+# is preempted for 2-15 ms, so nearly every batch held one.) Every point starts
+# with a barrier over all the mesh's ranks: otherwise one group of an axis times its
+# collective while another group is still computing beside it. The local kernels are
+# timed after the collectives, since OpenMP's threads spin for a while after a
+# parallel region. Every rank times; the ranks' figures are gathered (over
+# the mesh's gloo agreement group) and the median over ranks counts, per figure; two
+# axes of one size keep the slower time per buffer size. Then per kind and group size
+# n, on ``t = latency + x * seconds_per_byte`` with x = wire(kind, n) * nbytes (NOTE
+# [Collective cost]):
+# - the slope is a least-squares fit with the latency pinned over the larger half of
+#   the sizes (bandwidth-bound), the latency the lowest ``t - x * slope`` over the
+#   smaller half (latency-bound), the two refined in turn a few times; a free
+#   least-squares line over all sizes lets the noise of the large sizes set the
+#   intercept (it came out at 5 us for an all-gather next to 2.6 ms for an all-reduce
+#   on 4 ranks: format 1 of the cache);
+# - the latency is floored at 1 us and the slope at 1 / bytes_per_s (a collective
+#   moves its bytes through memory at least once);
+# - the kinds are held consistent: each kind's latency within _LATENCY_SPREAD (3x) of
+#   the median over the kinds timed on that group size, its slope within
+#   _SLOPE_SPREAD (8x) of theirs. Each is a few round trips over the same transport:
+#   on gloo, all_gather_single is gloo's allgather, all_to_all_single gloo's
+#   alltoall, and reduce_scatter_single (ProcessGroupGloo::_reduce_scatter_base in
+#   torch 2.13) a clone of the input, an allreduce of it and a copy of the rank's
+#   chunk, so it costs an all-reduce (twice the all-gather's slope on its wire bytes).
+# Rank 0's resulting numbers are broadcast at the end (every rank computed the same
+# ones from the same gathered figures; the broadcast makes them bit-equal whatever
+# happens): every rank plans with the same model and so solves alike. On 4 gloo CPU
+# ranks of a 2-core machine (a 2 x 2 mesh) it takes about a second.
 _MIN_LATENCY_S = 1e-6
+_LATENCY_SPREAD = 3.0
+_SLOPE_SPREAD = 8.0
 _TIMED_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+_SMALL_BYTES = 64 << 10        # buffers up to this size are timed _SMALL_TRIES x repeats times
+_SMALL_TRIES = 3
 
 
 def _sync(device: torch.device) -> None:
@@ -278,7 +332,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(fn, device: torch.device, repeats: int) -> float:
+def _low_seconds(fn, device: torch.device, repeats: int) -> float:
+    """A low percentile (the 20th; the lowest of fewer than 10) of ``repeats`` timed
+    calls of ``fn``, after a warm-up call (NOTE [Measuring])."""
     fn()                                    # warm-up (and the first call's set-up)
     _sync(device)
     times = []
@@ -287,7 +343,8 @@ def _median_seconds(fn, device: torch.device, repeats: int) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times.sort()
+    return times[len(times) // 5 if len(times) >= 10 else 0]
 
 
 def _collective_fn(kind: str, nbytes: int, n: int, group, device: torch.device):
@@ -306,22 +363,46 @@ def _collective_fn(kind: str, nbytes: int, n: int, group, device: torch.device):
     return (lambda: dist.all_to_all_single(out, full, group=group)), full.numel() * 4
 
 
-def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares ``t = a + x * b`` over (x, t), with a, b >= 0 (NOTE [Measuring])."""
-    xs = [x for x, _ in points]
-    ts = [t for _, t in points]
-    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (t - mt) for x, t in points) / sxx if sxx > 0 else 0.0
-    a = mt - b * mx
-    if b <= 0:                       # no growth with size visible: all latency
-        a, b = mt, 0.0
-    elif a < 0:                      # through the origin
-        b = sum(x * t for x, t in points) / sum(x * x for x in xs)
-        a = 0.0
-    if b <= 0:
-        b = 1e-15                    # a positive slope, however small
-    return max(a, _MIN_LATENCY_S), b
+def _fit(points: Sequence[tuple[float, float]], min_slope: float = 0.0) -> tuple[float, float]:
+    """``t = a + x * b`` through (x, t) points (NOTE [Measuring]): b fitted with a
+    pinned over the larger half of the x's, a the lowest residual over the smaller
+    half; a >= 1 us, b >= min_slope."""
+    pts = sorted((float(x), float(t)) for x, t in points)
+    half = max(1, len(pts) // 2)
+    small, big = pts[:half], pts[half:]
+    a = min(t for _, t in small)
+    b = 0.0
+    for _ in range(4):
+        den = sum(x * x for x, _ in big)
+        b = max(sum(x * (t - a) for x, t in big) / den, 0.0) if den > 0 else 0.0
+        a = max(min(t - x * b for x, t in small), _MIN_LATENCY_S)
+    return a, max(b, min_slope)
+
+
+def _clamp_to_median(values: dict, spread: float) -> dict:
+    """Each value within ``spread`` times of the values' median (NOTE [Measuring])."""
+    if not values:
+        return values
+    mid = statistics.median(values.values())
+    return {k: min(max(v, mid / spread), mid * spread) for k, v in values.items()}
+
+
+def _fit_table(times: Mapping[tuple[str, int, int], float], bytes_per_s: float
+               ) -> dict[tuple[str, int], tuple[float, float]]:
+    """(kind, group size) -> (latency_s, seconds_per_byte) from the lowest seconds per
+    (kind, group size, exact buffer bytes) (NOTE [Measuring])."""
+    points: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for (kind, n, nbytes), t in sorted(times.items()):
+        points.setdefault((kind, n), []).append((_WIRE[kind](n) * nbytes, t))
+    fits = {key: _fit(pts, 1.0 / bytes_per_s) for key, pts in points.items()}
+    out: dict[tuple[str, int], tuple[float, float]] = {}
+    for n in sorted({n for _, n in fits}):
+        keys = [k for k in fits if k[1] == n]
+        lat = _clamp_to_median({k: fits[k][0] for k in keys}, _LATENCY_SPREAD)
+        spb = _clamp_to_median({k: fits[k][1] for k in keys}, _SLOPE_SPREAD)
+        for k in keys:
+            out[k] = (max(lat[k], _MIN_LATENCY_S), max(spb[k], 1.0 / bytes_per_s))
+    return out
 
 
 def _local_rates(device: torch.device, repeats: int) -> tuple[float, float]:
@@ -329,12 +410,12 @@ def _local_rates(device: torch.device, repeats: int) -> tuple[float, float]:
     m = 4096 if big else 256
     a = torch.randn(m, m, device=device)
     b = torch.randn(m, m, device=device)
-    mm = _median_seconds(lambda: torch.mm(a, b), device, repeats)
-    e = (16 << 20 if big else 4 << 20)          # elements: 64 / 16 MiB per operand
+    mm = _low_seconds(lambda: torch.mm(a, b), device, repeats)
+    e = (16 << 20 if big else 2 << 20)          # elements: 64 / 8 MiB per operand
     x = torch.ones(e, device=device)
     y = torch.ones(e, device=device)
     out = torch.empty_like(x)
-    add = _median_seconds(lambda: torch.add(x, y, out=out), device, repeats)
+    add = _low_seconds(lambda: torch.add(x, y, out=out), device, repeats)
     return 2.0 * m ** 3 / max(mm, 1e-9), 3.0 * e * 4 / max(add, 1e-9)
 
 
@@ -345,33 +426,51 @@ def _measure(cls, mesh: Mesh, sizes: tuple[int, ...], repeats: int) -> CostModel
     if not sizes or any(s <= 0 for s in sizes):
         raise ValueError(f"CostModel.measure: sizes must be positive byte counts; got {sizes!r}.")
     device = mesh_device(mesh)
-    flops, bw = _local_rates(device, repeats)
-    fits: dict[tuple[str, int], tuple[float, float]] = {}
+    sync_group = mesh.sync_group()
+    # every rank times the same points in the same order: (axis, kind, exact bytes)
+    points: list[tuple[int, str, int]] = []
+    seconds: list[float] = []
     for i, n in enumerate(mesh.shape):
         if n == 1:
             continue
         group = mesh.device_mesh.get_group(i)
         for kind in _TIMED_KINDS:
-            points = []
             for size in sorted(set(sizes)):
                 fn, exact = _collective_fn(kind, size, n, group, device)
-                points.append((_WIRE[kind](n) * exact, _median_seconds(fn, device, repeats)))
-            lat, spb = _fit(points)
-            top = max(x for x, _ in points)
-            old = fits.get((kind, n))
-            if old is None or lat + top * spb > old[0] + top * old[1]:
-                fits[(kind, n)] = (lat, spb)
+                # a small buffer's call is cheap and its noise a large part of its time
+                tries = repeats * (_SMALL_TRIES if size <= _SMALL_BYTES else 1)
+                points.append((i, kind, exact))
+                if sync_group is not None:
+                    # every rank starts the point together: the other groups of the
+                    # axis are not still computing (or timing something else) beside it
+                    dist.barrier(group=sync_group)
+                seconds.append(_low_seconds(fn, device, tries))
+    # the local kernels last: OpenMP's threads spin for a while after a parallel region,
+    # and would take the cores from the collectives timed after them
+    flops, bw = _local_rates(device, repeats)
+    numbers = [flops, bw, *seconds]
+    group = sync_group
+    if group is not None:               # the median over ranks, per figure
+        mine = torch.tensor(numbers, dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)
+        numbers = torch.quantile(torch.stack(every), 0.5, dim=0).tolist()
+    flops, bw = numbers[0], numbers[1]
+    times: dict[tuple[str, int, int], float] = {}
+    for (i, kind, exact), t in zip(points, numbers[2:]):
+        key = (kind, mesh.shape[i], exact)
+        times[key] = max(times.get(key, 0.0), t)     # axes of one size: the slower
+    fits = _fit_table(times, bw)
     keys = sorted(fits)
-    numbers = [flops, bw] + [v for k in keys for v in fits[k]]
-    group = mesh.sync_group()
-    if group is not None:
-        t = torch.tensor(numbers, dtype=torch.float64)
-        dist.broadcast(t, group=group, group_src=0)
-        numbers = t.tolist()
+    final = [flops, bw] + [v for k in keys for v in fits[k]]
+    if group is not None:               # bit-equal on every rank
+        buf = torch.tensor(final, dtype=torch.float64)
+        dist.broadcast(buf, group=group, group_src=0)
+        final = buf.tolist()
     backend = _backend(mesh)
     name = f"measured: {backend}, {mesh.size()} ranks, {_host_of_rank0(mesh)}"
-    rows = tuple((k, n, numbers[2 + 2 * j], numbers[3 + 2 * j]) for j, (k, n) in enumerate(keys))
-    return cls(name=name, flops_per_s=numbers[0], bytes_per_s=numbers[1], collectives=rows)
+    rows = tuple((k, n, final[2 + 2 * j], final[3 + 2 * j]) for j, (k, n) in enumerate(keys))
+    return cls(name=name, flops_per_s=final[0], bytes_per_s=final[1], collectives=rows)
 
 
 def _backend(mesh: Mesh) -> str:
@@ -396,8 +495,9 @@ def _host_of_rank0(mesh: Mesh) -> str:
 # Measuring takes a second or two and its numbers drift from run to run, so a
 # machine's model is measured once and kept in a JSON file under $SHARDED_CACHE_DIR
 # (default ~/.cache/sharded), named by a digest of its key: rank 0's host name, the
-# world size, the mesh shape, the backend, the device type and torch's version (the
-# key is in the file too, and a file whose key differs is a miss). Rank 0 alone reads
+# world size, the mesh shape, the backend, the device type, torch's version and the
+# model's format (_FORMAT: a file of an older measuring method is not read; the key is
+# in the file too, and a file whose key differs is a miss). Rank 0 alone reads
 # the file and broadcasts what it found (or that it found nothing) over the mesh's
 # gloo agreement group, so every rank plans with rank 0's model even where each
 # node's cache holds another; on a miss every rank measures (a collective) and rank 0
@@ -419,7 +519,7 @@ def _cache_key(mesh: Mesh) -> dict:
     return {"host": socket.gethostname(),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "mesh_shape": list(mesh.shape), "backend": _backend(mesh),
-            "device_type": mesh.device_type, "torch": torch.__version__}
+            "device_type": mesh.device_type, "torch": torch.__version__, "format": _FORMAT}
 
 
 def cache_path(key: Mapping[str, Any]) -> Path:
@@ -640,3 +740,45 @@ def predict(lowered: "Lowered", model: CostModel | None = None) -> dict:
         row["seconds"] += s
     return {"compute_s": compute, "comm_s": comm, "total_s": compute + comm,
             "collectives": len(calls), "comm_by_kind": by_kind}
+
+
+# ---------------------------------------------------------------------------
+# python -m sharded.auto.cost
+# ---------------------------------------------------------------------------
+def _measure_here(shape: tuple[int, ...], cached: bool) -> dict:
+    """On each local rank: the model of a mesh of ``shape`` (its dict)."""
+    mesh = Mesh(shape, tuple(f"a{i}" for i in range(len(shape))))
+    return (CostModel.for_mesh(mesh) if cached else CostModel.measure(mesh)).to_dict()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m sharded.auto.cost [--mesh 2x2] [--cached] [--h100]``: measure this
+    machine's model on local ranks (sharded.launch: gloo on CPU, NCCL with a GPU per
+    rank) and print it (CostModel.describe)."""
+    ap = argparse.ArgumentParser(prog="python -m sharded.auto.cost",
+                                 description="Print the cost model of automatic sharding "
+                                             "for this machine.")
+    ap.add_argument("--mesh", default="2", help="the mesh shape to measure on local ranks, "
+                    "e.g. 2 or 2x2 (default 2)")
+    ap.add_argument("--cached", action="store_true", help="the cached model if there is "
+                    "one (CostModel.for_mesh; measured and cached otherwise)")
+    ap.add_argument("--h100", action="store_true", help="print the stated H100 table instead")
+    args = ap.parse_args(argv)
+    if args.h100:
+        print(CostModel.h100().describe())
+        return 0
+    try:
+        shape = tuple(int(x) for x in args.mesh.lower().split("x"))
+    except ValueError:
+        ap.error(f"--mesh must look like 2 or 2x2; got {args.mesh!r}")
+    if not shape or min(shape) < 1:
+        ap.error(f"--mesh must have positive sizes; got {args.mesh!r}")
+    # the function the ranks run, by its module's name (not __main__'s)
+    fn = importlib.import_module(__spec__.name if __spec__ else __name__)._measure_here
+    results = _launch(fn, math.prod(shape), shape, args.cached)
+    print(CostModel.from_dict(results[0]).describe())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
