@@ -836,6 +836,18 @@ def abstract_device_mesh(shape, axis_names, rank: int, device_type: str):
     dm._thread_id = next(_ABSTRACT_IDS)
     dm._hash = None
     dm._sharded_abstract = (tuple(shape), rank)
+
+    def get_local_rank(mesh_dim=None):
+        # DTensor's CPU path for moving a shard to another dim (gloo has no all-to-all:
+        # it gathers and slices) asks the group for this rank's index, which a group of
+        # an abstract mesh cannot answer: its coordinate does
+        if mesh_dim is None:
+            mesh_dim = 0
+        if isinstance(mesh_dim, str):
+            mesh_dim = list(axis_names).index(mesh_dim)
+        return coord[mesh_dim]
+
+    dm.get_local_rank = get_local_rank
     return dm
 
 

@@ -34,7 +34,7 @@ from sharded._fingerprint import ambient_text, fmt_meta, program_lines, stable_r
 from sharded._program import Backward, Forward
 from sharded._region import mutated_inputs
 from sharded._trace import trace_global
-from sharded.auto._decide import AutoRequest, decide
+from sharded.auto._decide import AutoRequest, decide, lower_decided
 from sharded.mesh import mesh_device
 from sharded.modes import ParallelMode
 from sharded.modes.base import run_passes
@@ -94,29 +94,45 @@ def lower_graph(gm: fx.GraphModule, mode: ParallelMode, mesh, in_placements: lis
                           auto)
         in_placements = decision.in_placements[:len(in_placements)]
         out_specs = decision.out_specs[:len(out_specs)]
-    part = mode.partition(gm, list(in_placements) + rng, list(out_specs) + [None] * n_saved, mesh)
-    if n_saved:
-        res_specs = _plain_residual_specs(part.out_placements[-n_saved:], out_vals[-n_saved:], mesh)
-        if res_specs is not None:       # NOTE [Residual layouts]
-            part = mode.partition(gm, list(in_placements) + rng, list(out_specs) + res_specs, mesh)
-    local_placeholders = part.graph.graph.find_nodes(op="placeholder")
-    for k in donated:                       # NOTE [Writing into donated inputs]
-        local_placeholders[k].meta[META_DONATED] = True
+    times: dict = {}
 
-    t1 = time.perf_counter()
-    local = passes_and_finalize(part.graph, mode, mesh, n_out, agreement_point) if passes \
-        else part.graph
+    def apply_and_pass(g: fx.GraphModule) -> _Applied:
+        t1 = time.perf_counter()
+        part = mode.partition(g, list(in_placements) + rng, list(out_specs) + [None] * n_saved, mesh)
+        if n_saved:
+            res_specs = _plain_residual_specs(part.out_placements[-n_saved:], out_vals[-n_saved:], mesh)
+            if res_specs is not None:       # NOTE [Residual layouts]
+                part = mode.partition(g, list(in_placements) + rng, list(out_specs) + res_specs, mesh)
+        local_placeholders = part.graph.graph.find_nodes(op="placeholder")
+        for k in donated:                   # NOTE [Writing into donated inputs]
+            local_placeholders[k].meta[META_DONATED] = True
+        t2 = time.perf_counter()
+        local = passes_and_finalize(part.graph, mode, mesh, n_out, agreement_point) if passes \
+            else part.graph
+        times["partition"] = times.get("partition", 0.0) + t2 - t1
+        times["passes"] = times.get("passes", 0.0) + time.perf_counter() - t2
+        return _Applied(part, local)
+
+    if decision is None:
+        done = apply_and_pass(gm)
+    else:                                   # NOTE [Two candidates] in sharded/auto/_decide.py
+        times["decide"] = time.perf_counter() - t0
+        done = lower_decided(gm, decision, mesh, apply_and_pass)
+    part, local = done.part, done.graph
     got = list(part.in_placements) if part.in_placements is not None else None
-    layouts, times = part.layouts, {"partition": t1 - t0, "passes": time.perf_counter() - t1}
+    layouts = part.layouts
     if decision is not None:
         got = list(in_placements) + rng
         layouts = {"inputs": decision.report["inputs"], "outputs": decision.report["outputs"]}
-        times["decide"] = decision.report["build_s"] + decision.report["solve_s"] + \
-            decision.report["apply_s"]
-        times["partition"] -= times["decide"]
     return LocalProgram(local, got, list(part.out_placements), layouts, n_draws, times,
                         auto=decision.report if decision is not None else None,
                         out_specs=list(out_specs))
+
+
+@dataclass
+class _Applied:
+    part: Any                  # the mode's Partitioned
+    graph: fx.GraphModule      # this rank's program after the passes
 
 
 def passes_and_finalize(graph: fx.GraphModule, mode: ParallelMode, mesh, n_out: int | None,

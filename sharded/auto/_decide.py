@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -14,7 +15,7 @@ from sharded.api import CONSTRAINT_OP, spec_text
 from sharded.auto._explain import report as _report
 from sharded.auto._solve import Infeasible, edge_costs, solve
 from sharded.auto._units import Builder, Unit, placements_of, set_input
-from sharded.auto.cost import CostModel
+from sharded.auto.cost import CostModel, predict_graph
 from sharded.spec import AUTO, P, from_placements, to_placements
 
 
@@ -34,6 +35,8 @@ class Decision:
     in_placements: list        # per graph input
     out_specs: list            # per output: a P (AUTO ones decided) or None
     report: dict
+    model: CostModel
+    moves: Callable[[fx.GraphModule], list]    # writes the solver's moves: NOTE [Applying ...]
 
 
 def _expressible(pl, mesh, ndim) -> P | None:
@@ -46,9 +49,9 @@ def _expressible(pl, mesh, ndim) -> P | None:
 def decide(gm: fx.GraphModule, mesh, in_placements: list, out_specs: list,
            request: AutoRequest) -> Decision:
     """Choose the layouts of the AUTO inputs and outputs of ``gm`` (``in_placements``
-    None, ``out_specs`` AUTO) and of every value in between, and write the choices
-    into ``gm``: a ``sharding_constraint`` where the solution moves a value (NOTE
-    [Applying the decisions])."""
+    None, ``out_specs`` AUTO) and of every value in between. ``Decision.moves(gm)``
+    writes the moves into ``gm`` (NOTE [Applying the decisions]); ``lower_decided``
+    lowers the program with them and without them and keeps the faster."""
     t0 = time.perf_counter()
     model = request.model or CostModel.for_mesh(mesh)
     b = Builder(gm, mesh, model)
@@ -64,7 +67,6 @@ def decide(gm: fx.GraphModule, mesh, in_placements: list, out_specs: list,
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     out_vals = out_node.args[0]
     out_units: list[int | None] = []
-    r = (Replicate(),) * len(mesh.shape)
     for k, (a, spec) in enumerate(zip(out_vals, out_specs)):
         v = b.value.get(a) if isinstance(a, fx.Node) else None
         if not (isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], int)):
@@ -113,8 +115,6 @@ def decide(gm: fx.GraphModule, mesh, in_placements: list, out_specs: list,
             f"divides it). Raise the budget, use a larger mesh, or shard the fixed specs."
         ) from None
     t2 = time.perf_counter()
-    # -- apply ------------------------------------------------------------------------
-    moves = _apply(gm, units, sol.choice, mesh)
     new_in = []
     for i, pl in zip(in_units, in_placements):
         new_in.append(units[i].strategies[sol.choice[i]][0][0] if pl is None else pl)
@@ -125,10 +125,58 @@ def decide(gm: fx.GraphModule, mesh, in_placements: list, out_specs: list,
             new_out.append(from_placements(pl, mesh, units[u].vals[0].ndim))
         else:
             new_out.append(None if spec is AUTO else spec)
-    report = _report(units, sol, in_units, out_units, edges, moves, mesh, model, request,
-                     b.unsupported, {"build_s": t1 - t0, "solve_s": t2 - t1,
-                                     "apply_s": time.perf_counter() - t2})
-    return Decision(new_in, new_out, report)
+    report = _report(units, sol, in_units, out_units, edges, mesh, model, request,
+                     b.unsupported, {"build_s": t1 - t0, "solve_s": t2 - t1})
+    return Decision(new_in, new_out, report, model,
+                    lambda g: _apply(g, units, sol.choice, mesh, report))
+
+
+# NOTE [Two candidates]
+# The solver's moves are its model's plan; DTensor's propagation from the same input
+# layouts is the program a user gets by giving the chosen specs by hand. The model
+# prices each move on its own, so its plan can pay for moves the propagation does
+# without (a small tensor gathered to save compute the model overrates, gradients
+# reduced one by one where the passes would bucket them). Both programs are lowered
+# and priced by the same model on their real collectives (``predict_graph``: after
+# the passes, buckets included), and the cheaper is kept (the propagation on a tie:
+# then ``lowered.in_specs`` given by hand is the same program). The report says
+# which, with both predictions. Where the propagation fails (a view DTensor cannot
+# shard from the layouts it propagates, that the solver's moves avoid) the solver's
+# program is kept, and ``report["propagation_failed"]`` says why.
+
+def lower_decided(gm: fx.GraphModule, decision: Decision, mesh,
+                  lower: Callable[[fx.GraphModule], Any]) -> Any:
+    """``lower(gm)`` of the program with the solver's moves and of the program
+    without them (NOTE [Two candidates]); returns the faster's result, ``gm`` holding
+    its moves (or none)."""
+    rep = decision.report
+    t0 = time.perf_counter()
+    rep["candidates"] = {}
+    plain = plain_s = failed = None
+    try:
+        plain = lower(gm)
+        plain_s = rep["candidates"]["propagation"] = predict_graph(plain.graph, mesh,
+                                                                   decision.model)["total_s"]
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        # DTensor's propagation from these layouts can meet a view it cannot shard
+        # (heads that the axis does not divide) where the solver's moves avoid it
+        failed = e
+        rep["propagation_failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    chosen, result = "propagation", plain
+    inserted = decision.moves(gm)
+    if inserted or plain is None:
+        moved = lower(gm)
+        moved_s = rep["candidates"]["solver's moves"] = predict_graph(
+            moved.graph, mesh, decision.model)["total_s"]
+        if plain_s is None or moved_s < plain_s:
+            chosen, result = "solver's moves", moved
+        else:
+            _undo(gm, inserted)
+    elif failed is not None:
+        raise failed
+    rep["chosen"] = chosen
+    rep["lower_s"] = time.perf_counter() - t0
+    return result
 
 
 def _bytes(val, pl, mesh_shape) -> int:
@@ -182,12 +230,10 @@ def _ties(units, in_units, out_units, out_specs, in_placements) -> list:
 # per-op propagation, which picks the cheapest strategy for the layouts its inputs
 # arrive in, meets each op with its inputs already in the chosen strategy's layouts.
 # A move to a layout no P expresses (to a Partial: free, a local division) is left to
-# DTensor, which makes its own choice there; ``report["unapplied"]`` counts them. A
-# shard that moves to another dim over the same axis goes through replicated (an
-# all-gather, then a local slice): DTensor's all-to-all for it has no CPU path (gloo
-# has none; torch gathers instead) and fails on an abstract mesh.
+# DTensor, which makes its own choice there; ``report["unapplied"]`` counts them.
 
-def _apply(gm, units, choice, mesh) -> dict:
+def _apply(gm, units, choice, mesh, report: dict) -> list:
+    """Write the moves of ``choice`` into ``gm``; returns the nodes it inserted."""
     g = gm.graph
     applied, unapplied = 0, 0
     made: dict = {}
@@ -206,24 +252,27 @@ def _apply(gm, units, choice, mesh) -> dict:
                 unapplied += 1
                 continue
             src = _source_node(unit, j)
-            # a shard moving to another dim of the same axis goes through replicated
-            # (DTensor's all-to-all for it has no CPU path: NOTE [Applying the decisions])
-            via = tuple(Replicate() if type(a) is Shard and type(b) is Shard and a.dim != b.dim
-                        else b for a, b in zip(have, want))
-            steps = [_expressible(via, mesh, prod.vals[o].ndim)] if via != want else []
-            for step in [s_ for s_ in steps if s_ is not None] + [spec]:
-                key = (src, step)
-                if key not in made:
-                    with g.inserting_before(unit.node):
-                        c = g.call_function(CONSTRAINT_OP, (src, spec_text(step)))
-                    c.meta["val"] = src.meta["val"]
-                    c.meta["stack_trace"] = unit.node.meta.get("stack_trace")
-                    made[key] = c
-                src = made[key]
+            key = (src, spec)
+            if key not in made:
+                with g.inserting_before(unit.node):
+                    c = g.call_function(CONSTRAINT_OP, (src, spec_text(spec)))
+                c.meta["val"] = src.meta["val"]
+                c.meta["stack_trace"] = unit.node.meta.get("stack_trace")
+                made[key] = c
+            src = made[key]
             set_input(unit.node, unit.setters[j], src)
             applied += 1
     g.lint()
-    return {"applied": applied, "unapplied": unapplied}
+    report["applied"], report["unapplied"] = applied, unapplied
+    return list(made.values())
+
+
+def _undo(gm, inserted: list) -> None:
+    """Take out the constraints ``_apply`` inserted."""
+    for node in reversed(inserted):
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    gm.graph.lint()
 
 
 def _source_node(unit: Unit, j: int) -> fx.Node:

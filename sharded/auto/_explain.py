@@ -41,7 +41,7 @@ def _where(node) -> str:
     return lines[-1] if lines else (node.name if node is not None else "")
 
 
-def report(units, sol, in_units, out_units, edges, moves, mesh, model, request,
+def report(units, sol, in_units, out_units, edges, mesh, model, request,
            unsupported, times) -> dict:
     choice = sol.choice
     ms = tuple(mesh.shape)
@@ -107,9 +107,21 @@ def report(units, sol, in_units, out_units, edges, moves, mesh, model, request,
         "model": model.name, "mesh": repr(mesh),
         "units": len(units), "variables": sol.variables, "constraints": sol.constraints,
         "status": sol.status, **times,
-        "applied": moves["applied"], "unapplied": moves["unapplied"],
+        "applied": 0, "unapplied": 0,          # (the moves written: _decide._apply)
         "unsupported_ops": dict(unsupported),
     }
+
+
+def _candidates(rep: dict) -> list[str]:
+    """Which program was kept (NOTE [Two candidates] in sharded/auto/_decide.py)."""
+    cands = rep.get("candidates")
+    if not cands:
+        return []
+    said = {"propagation": "DTensor's propagation from the chosen input layouts",
+            "solver's moves": f"the solver's {rep['applied']} moves written into the program"}
+    line = (f"  program: {said[rep['chosen']]}; predicted from its collectives: "
+            + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in cands.items()))
+    return [line]
 
 
 def _choices(found: dict) -> str:
@@ -131,6 +143,7 @@ def explain(rep: dict, lowered_cost: dict | None = None) -> str:
              f"{rep['moves_s'] * 1e3:.3f} ms = {rep['objective_s'] * 1e3:.3f} ms",
              f"  state per rank (inputs and outputs): {rep['memory_bytes'] / mb:.2f} MiB"
              + (f" of a {rep['budget'] / mb:.2f} MiB budget" if rep.get("budget") else ""),
+             *_candidates(rep),
              "", "Chosen layout per block (inputs; list indices as *):"]
     for row in rep["blocks"]:
         specs = ", ".join(f"{leaf or '.'}: {_choices(s)}" for leaf, s in row["specs"].items())

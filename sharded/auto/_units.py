@@ -185,7 +185,7 @@ class Builder:
                 strategies = [self._replicated([flat[j] for j in idx], vals)]
             unit = Unit(node, "op", strategies, [flat[j] for j in idx], [setters[j] for j in idx],
                         vals, elem=i)
-            self._price(unit, node, share=1.0 / max(n, 1))
+            self._price(unit, node)
             self.units.append(unit)
             self.value[("elem", node, i)] = len(self.units) - 1
         self.value[node] = ("foreach", node)
@@ -310,13 +310,22 @@ class Builder:
                 out.append(key)
         return out
 
-    def _price(self, unit: Unit, node, share: float = 1.0) -> None:
-        flops = _flops(node) * share
-        nbytes = (_nbytes(node.meta.get("val")) + sum(
-            _nbytes(self.units[u].vals[o]) for u, o in unit.inputs)) * (share if unit.elem is None else 1.0)
+    def _price(self, unit: Unit, node) -> None:
+        """Each strategy's compute: the op's flops and bytes (an element of a foreach op:
+        its own tensors'), over the ranks that split it; a view computes nothing."""
+        target = node.target
+        if isinstance(target, _torch.OpOverload) and target.is_view:
+            unit.compute = [0.0] * len(unit.strategies)
+            return
+        ins = sum(_nbytes(self.units[u].vals[o]) for u, o in unit.inputs)
+        if unit.elem is None:
+            flops, nbytes = _flops(node), _nbytes(node.meta.get("val")) + ins
+        else:
+            outs = [v for v in unit.vals if isinstance(v, torch.Tensor)]
+            flops, nbytes = float(sum(v.numel() for v in outs)), _nbytes(outs) + ins
         mesh_shape = self.mesh.shape
-        for outs, _ in unit.strategies:
-            first = next((p for p in outs if p is not None), None)
+        for outs_pl, _ in unit.strategies:
+            first = next((p for p in outs_pl if p is not None), None)
             split = 1
             if first is not None:
                 for size, p in zip(mesh_shape, first):

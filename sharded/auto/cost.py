@@ -722,8 +722,13 @@ def predict(lowered: "Lowered", model: CostModel | None = None) -> dict:
             f"Predict a step without pipeline(...), or read lowered.pipeline's schedule.")
     if model is None:
         model = CostModel.for_mesh(lowered.mesh)
+    return predict_graph(lowered.local_graph, lowered.mesh, model)
+
+
+def predict_graph(gm: torch.fx.GraphModule, mesh: Mesh, model: CostModel) -> dict:
+    """``predict`` of a local graph (one rank's program) on ``mesh``."""
     compute = 0.0
-    for node in lowered.local_graph.graph.nodes:
+    for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         fb = _node_flops_bytes(node)
@@ -731,7 +736,7 @@ def predict(lowered: "Lowered", model: CostModel | None = None) -> dict:
             compute += model.compute_seconds(*fb)
     comm = 0.0
     by_kind: dict[str, dict[str, float]] = {}
-    calls = _collectives(lowered.local_graph, lowered.mesh)
+    calls = _collectives(gm, mesh)
     for c in calls:
         s = model.collective_seconds(c.kind, c.bytes, c.group_size)
         comm += s
