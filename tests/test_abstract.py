@@ -116,3 +116,16 @@ def test_abstract_meshes_of_one_shape_that_share_an_axis_name():
                        mesh=mesh, mode=DataParallelMode()).lower(torch.ones(8, 4, device="meta"))
         counts.append([(c.kind, c.axis, c.group_size) for c in lowered.collectives()])
     assert counts == [[("all_reduce", "dp", 2)]] * 2
+
+
+@pytest.mark.parametrize("shape,names,axis", [((2,), ("tp",), "tp"), ((2, 2), ("dp", "tp"), "dp")])
+def test_a_shard_that_moves_to_another_dim_of_its_axis(shape, names, axis):
+    """Two inputs sharded over one axis on different dims: DTensor moves one to the
+    other's dim (on CPU: gloo has no all-to-all, so torch gathers and slices, asking
+    the group for this rank's index). On an abstract mesh that question failed with
+    "Default process group has not been initialized"; the mesh's coordinate answers
+    it. Found through AUTO layouts, which choose such pairs."""
+    mesh = Mesh.abstract(shape, names, rank=1)
+    lowered = pjit(lambda a, b: a + b, in_specs=(P(axis), P(None, axis)),
+                   mesh=mesh).lower(torch.ones(4, 4), torch.ones(4, 4))
+    assert [(c.kind, c.axis) for c in lowered.collectives()] == [("all_gather", axis)]

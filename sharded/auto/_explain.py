@@ -27,12 +27,21 @@ def _one(p) -> str:
 
 
 def _block_of(path: str) -> tuple[str, str]:
-    """(block, leaf): the path with list indices as ``*``, split before its last key."""
+    """(block, leaf): the path with list indices (and the numbers of a dotted key,
+    ``'layers.3.attn.wq'``) as ``*``, split before its last key (or the last part of a
+    dotted key)."""
     head = re.match(r"^[a-z]+\[[^\]]*\]", path)       # args[0]: the argument, kept
     cut = head.end() if head else 0
     norm = path[:cut] + re.sub(r"\[(\d+)\]", "[*]", path[cut:])
     m = re.match(r"^(.*)(\[[^\[\]]*\])$", norm)
-    return (m.group(1), m.group(2)) if m else (norm, "")
+    if not m:
+        return norm, ""
+    block, leaf = m.group(1), m.group(2)
+    dotted = re.match(r"^\['(.+)\.([^.]+)'\]$", leaf)
+    if dotted and len(path) > cut:
+        return (block + "['" + re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", dotted.group(1)) + "']",
+                "['" + dotted.group(2) + "']")
+    return block, leaf
 
 
 def _where(node) -> str:

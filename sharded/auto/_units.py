@@ -8,7 +8,7 @@ gives), or an output the user left to the solver. Values are ``(unit, output ind
 ``getitem`` picks a value, it decides nothing. The strategies come from DTensor
 (``_torch.op_strategies``: every strategy its rules allow, given the layouts the inputs
 may arrive in); an op with no strategy function (DTensor decomposes it, or a custom op)
-is probed: DTensor's own plan for each layout the first input may have, every tensor
+is probed: DTensor's own plan for each layout its largest input may have, every tensor
 input of its rank in that layout, and all replicated. A strategy that needs a
 ``_StridedShard`` or a dim that its mesh axes do not divide is dropped: a program
 traced once for every rank cannot hold uneven shards (NOTE [Residual layouts] in
@@ -259,11 +259,12 @@ class Builder:
         return (tuple(r if isinstance(v, torch.Tensor) else None for v in vals), tuple(r for _ in flat))
 
     def _probe(self, node, flat) -> list:
-        """DTensor's plan for each layout the first tensor input may arrive in, every
+        """DTensor's plan for each layout the largest tensor input may arrive in, every
         tensor input of its rank in that layout (others replicated)."""
         if not flat:
             return []
-        first = self._cands(flat[0])
+        # the largest tensor input leads (mse_loss_backward's first is a scalar gradient)
+        first = max((self._cands(v) for v in flat), key=lambda c: c.val.numel())
         r = (Replicate(),) * len(self.mesh.shape)
         found = []
         for pl in first.placements:

@@ -144,8 +144,6 @@ class Expander(fx.Interpreter):
                 return _elementwise_lists(self, target, args, kwargs)
             if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
                 kwargs = _keyword_inputs_laid_out(self, target, args, kwargs)
-            if target in _VIEWS:
-                return _view(self, target, args, kwargs)
         return super().call_function(target, args, kwargs)
 
     def run_node(self, n):
@@ -334,30 +332,6 @@ def _keyword_inputs_laid_out(ex: Expander, target, args, kwargs) -> dict:
 # is split (the heads under a tensor-parallel plan). The expander drops those inputs
 # before the policy and DTensor see the op, and casts the result to the dtype the
 # global graph recorded, which is torch's. All inputs empty: cat as is.
-# NOTE [A view of another layout's strides]
-# The global program's ``view`` was legal for the strides its input had on one device.
-# A shard may have other strides: an op that DTensor runs through another strategy
-# (SDPA's CPU kernel returns (batch, seq, heads, dim)-major memory; the same op under
-# another sharding, or a decomposition, returns it heads-major), so a view that was a
-# view of contiguous memory globally is not one locally. The program is functional
-# (no value is written through a view), so the local program takes a contiguous copy
-# there and views that: the same values.
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
-
-
-def _view(ex, target, args, kwargs):
-    x = args[0]
-    try:
-        return fx.Interpreter.call_function(ex, target, args, kwargs)
-    except (ValueError, RuntimeError) as e:
-        local = x._local_tensor if isinstance(x, DTensor) else x
-        if "view" not in str(e) or not isinstance(local, torch.Tensor) or local.is_contiguous():
-            raise
-    # (x.contiguous() would return x: a DTensor is contiguous by its global strides)
-    dense = torch.ops.aten.clone.default(x, memory_format=torch.contiguous_format)
-    return fx.Interpreter.call_function(ex, target, (dense,) + tuple(args[1:]), kwargs)
-
-
 _CAT = torch.ops.aten.cat.default
 
 
