@@ -11,6 +11,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numbers
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -306,11 +308,11 @@ class Arguments:
                 f"{name}: memory_budget is the AUTO solver's bound; no in_specs or out_specs "
                 f"entry is AUTO. Give AUTO for the tensors the solver may lay out, or drop "
                 f"memory_budget.")
-        if memory_budget is not None and (not isinstance(memory_budget, int)
+        if memory_budget is not None and (not isinstance(memory_budget, numbers.Integral)
                                           or isinstance(memory_budget, bool) or memory_budget <= 0):
             raise ValueError(f"{name}: memory_budget must be a positive int (bytes per rank); "
                              f"got {memory_budget!r}.")
-        self.memory_budget = memory_budget
+        self.memory_budget = int(memory_budget) if memory_budget is not None else None
         self.cost_model = cost_model
         self._params = _parameters(fn)
         self.static_argnums, self.static_argnames = _both(

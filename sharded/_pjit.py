@@ -18,6 +18,7 @@ from sharded._trace import in_global_trace
 from sharded.lowered import Lowered
 from sharded.lowering import build_forward
 from sharded.mesh import Mesh, current_mesh
+from sharded.auto.cost import CostModel
 from sharded.modes import DTensorExpandMode, ParallelMode
 
 __all__ = ["pjit", "Pjit", "UNSPECIFIED"]
@@ -148,6 +149,7 @@ class Pjit:
                 entry, leaves, shards, plain = hit
                 outcome = entry.steady_outcome(plain, leaves)
             else:
+                self._auto_model(mesh)
                 sig = self.arguments.signature(args, kwargs, mesh)
                 entry = self._cache.lookup(sig, self.name) or self._compile(sig, args)
                 leaves, grad, shards = sig.leaves, sig.grad, None
@@ -171,12 +173,23 @@ class Pjit:
                                 agreement=agreement)
 
     def lower(self, *args, **kwargs) -> Lowered:
-        """Trace and partition for ``args`` without running (no communication). For
-        a differentiable call (inputs that require grad) ``.backward`` is the
-        backward program's ``Lowered``."""
-        sig = self.arguments.signature(args, kwargs, current_mesh(self.mesh, self.name))
+        """Trace and partition for ``args`` without running (no communication, but for
+        one case: a step with AUTO specs and no ``cost_model`` on a mesh of real ranks
+        fetches the machine's cost model at its first lower or call in the process, a
+        collective: lower it on every rank). For a differentiable call (inputs that
+        require grad) ``.backward`` is the backward program's ``Lowered``."""
+        mesh = current_mesh(self.mesh, self.name)
+        self._auto_model(mesh)
+        sig = self.arguments.signature(args, kwargs, mesh)
         entry = self._cache.lookup(sig, self.name, touch=False) or self._compile(sig, args)
         return Lowered(entry, self.name)
+
+    def _auto_model(self, mesh) -> None:
+        """An AUTO step's cost model, fetched before anything a rank can fail alone
+        (the signature, the trace): at first use a collective (NOTE in
+        sharded/auto/cost.py ``known_model``)."""
+        if self.arguments.auto and self.arguments.cost_model is None and not mesh.is_abstract:
+            CostModel.for_mesh(mesh)
 
     @staticmethod
     def _run_grad(entry: Forward, leaves: list) -> Any:

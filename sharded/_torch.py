@@ -1175,11 +1175,3 @@ def probe_op(op, args, kwargs, device_mesh):
             return None
     return outs, tuple(tuple(w.placements) for w in wanted)
 
-
-def flop_formula(target):
-    """torch.utils.flop_counter's formula for ``target`` (an OpOverload), or None:
-    ``formula(*args, **kwargs, out_val=out)`` on fake tensors gives its flops."""
-    from torch.utils.flop_counter import flop_registry
-
-    packet = getattr(target, "overloadpacket", None)
-    return flop_registry.get(packet) if packet is not None else None

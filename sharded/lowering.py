@@ -279,7 +279,7 @@ def build_forward(arguments: Arguments, mode: ParallelMode, sig: Signature, args
                       for j in donated],
         auto=low.auto,
         auto_specs=_decided_specs(arguments, sig, in_specs, out_leaves, out_treedef,
-                                  low.out_specs) if low.auto is not None else None,
+                                  low.out_specs or []) if low.auto is not None else None,
     )
 
 

@@ -2,6 +2,7 @@
 redistribution prices, JSON, the per-machine cache, predictions of lowered programs,
 and measuring on real gloo ranks (every rank gets rank 0's model)."""
 
+import dataclasses
 import json
 import os
 import types
@@ -42,6 +43,23 @@ def test_h100_prices_grow_with_bytes_and_group_size():
         m.collective_seconds("gather", 8, 2)
 
 
+def test_op_cost_is_the_per_op_seconds_plus_the_roofline():
+    m = CostModel.h100()
+    assert m.op_seconds == cost.H100_OP_SECONDS and 4e-6 <= m.op_seconds <= 6e-6
+    assert m.op_cost(0, 0) == m.op_seconds
+    assert m.op_cost(67e12, 0) == pytest.approx(1.0 + m.op_seconds)
+    assert m.op_cost(0, 3.35e12) == pytest.approx(1.0 + m.op_seconds)
+    assert m.compute_seconds(0, 0) == 0.0                  # the roofline alone
+    assert m.op_cost(2e9, 4e6) == m.op_seconds + m.compute_seconds(2e9, 4e6)
+    # old constructors: no per-op cost
+    bare = CostModel("bare", 1e9, 1e9)
+    assert bare.op_seconds == 0.0 and bare.op_cost(1e9, 0) == bare.compute_seconds(1e9, 0) == 1.0
+    assert CostModel("x", 1e9, 1e9, op_seconds=1e-5) != bare
+    for bad in (-1e-6, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="op_seconds must be finite and >= 0"):
+            CostModel("bad", 1e9, 1e9, op_seconds=bad)
+
+
 def test_rows_per_group_size_and_fallbacks():
     m = CostModel("t", 1e9, 1e9, collectives=(("all_reduce", 2, 1.0, 0.0),
                                               ("all_reduce", 4, 2.0, 0.0)))
@@ -60,10 +78,13 @@ def test_rows_per_group_size_and_fallbacks():
 
 def test_json_round_trip():
     for m in (CostModel.h100(), CostModel.h100("tf32"),
-              CostModel("x", 1.5e9, 2.5e9, collectives=(("all_gather", 2, 1e-3, 1e-9),))):
+              CostModel("x", 1.5e9, 2.5e9, collectives=(("all_gather", 2, 1e-3, 1e-9),)),
+              CostModel("y", 1.5e9, 2.5e9, collectives=(("all_gather", 2, 1e-3, 1e-9),),
+                        op_seconds=7e-6)):
         back = CostModel.from_dict(json.loads(json.dumps(m.to_dict())))
         assert back == m and hash(back) == hash(m)
         assert back.collective_seconds("all_gather", 1 << 20, 2) == m.collective_seconds("all_gather", 1 << 20, 2)
+        assert back.op_seconds == m.op_seconds
     with pytest.raises(ValueError, match="not a cost model"):
         CostModel.from_dict({"name": "x"})
     with pytest.raises(ValueError, match="malformed"):
@@ -72,6 +93,14 @@ def test_json_round_trip():
     old = {**CostModel.h100().to_dict(), "format": 1}
     with pytest.raises(ValueError, match=f"not a cost model of format {cost._FORMAT}"):
         CostModel.from_dict(old)
+    # format 2 (no op_seconds) is refused too: a cached one is measured again
+    assert cost._FORMAT == 3
+    two = {k: v for k, v in CostModel.h100().to_dict().items() if k != "op_seconds"}
+    with pytest.raises(ValueError, match="not a cost model of format 3"):
+        CostModel.from_dict({**two, "format": 2})
+    with pytest.raises(ValueError, match="malformed"):
+        CostModel.from_dict({**two, "format": 3})
+    assert "per op 5.00 us" in CostModel.h100().describe()
     assert "H100 NCCL (stated)" in CostModel.h100().describe()
     assert "all_reduce" in CostModel.h100().describe()
 
@@ -129,8 +158,25 @@ def test_predict_on_an_abstract_mesh():
     # the gradient's all-reduce: 256 x 128 floats over 4 ranks
     assert a["comm_s"] >= CostModel.h100().collective_seconds("all_reduce", 256 * 128 * 4, 4)
     assert b["collectives"] == 0 and b["comm_s"] == 0.0 and a["comm_s"] > b["comm_s"]
-    for p in (a, b):
-        assert p["total_s"] == pytest.approx(p["compute_s"] + p["comm_s"]) and p["compute_s"] > 0
+    for p, low in ((a, dp), (b, rep)):
+        assert p["total_s"] == pytest.approx(p["compute_s"] + p["overhead_s"] + p["comm_s"])
+        assert p["compute_s"] > 0
+        # every op priced is charged op_seconds: the call_function nodes that are not
+        # views, collectives or waits
+        nodes = [n for n in low.local_graph.graph.nodes if n.op == "call_function"]
+        priced = [n for n in nodes if isinstance(n.target, _torch.OpOverload)
+                  and not n.target.is_view and n.target not in _torch.COLLECTIVE_OPS
+                  and n.target is not _torch.WAIT_OP]
+        assert p["ops"] == len(priced) > 0 and len(nodes) > p["ops"]
+        assert p["views"] == sum(isinstance(n.target, _torch.OpOverload) and n.target.is_view
+                                 for n in nodes) > 0
+        assert p["overhead_s"] == pytest.approx(p["ops"] * cost.H100_OP_SECONDS)
+        # without a per-op cost: the same rooflines, no overhead
+        bare = cost.predict_graph(low.local_graph, mesh, dataclasses.replace(
+            CostModel.h100(), op_seconds=0.0))
+        assert bare["overhead_s"] == 0.0 and bare["ops"] == p["ops"]
+        assert bare["compute_s"] == p["compute_s"]
+        assert bare["total_s"] == pytest.approx(p["total_s"] - p["overhead_s"])
     # the two matmuls' flops (forward and the weight's gradient) at least: 4x less per
     # rank with the batch split 4 ways
     mm_flops = 2 * (2 * 512 * 256 * 128)
@@ -203,6 +249,9 @@ def test_measure_on_gloo_ranks(on_ranks, tmp_path):
     for _, _, lat, spb in model.collectives:
         assert lat > 0 and spb > 0
     assert model.collective_seconds("all_reduce", 1 << 20, 2) > model.collective_seconds("all_reduce", 0, 2) > 0
+    # a tiny op's dispatch: about a microsecond to tens of them on CPU
+    assert 1e-7 <= model.op_seconds <= 1e-3, model.describe()
+    assert model.op_cost(0, 0) == model.op_seconds
 
 
 def _free_fit(points):

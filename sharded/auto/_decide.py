@@ -11,11 +11,12 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from sharded._registry import META_PATH
+from sharded.errors import ShardingRuleError
 from sharded.api import CONSTRAINT_OP, spec_text
 from sharded.auto._explain import report as _report
 from sharded.auto._solve import Infeasible, edge_costs, solve
 from sharded.auto._units import Builder, Unit, placements_of, set_input
-from sharded.auto.cost import CostModel, predict_graph
+from sharded.auto.cost import CostModel, known_model, predict_graph
 from sharded.spec import AUTO, P, from_placements, to_placements
 
 
@@ -53,7 +54,12 @@ def decide(gm: fx.GraphModule, mesh, in_placements: list, out_specs: list,
     writes the moves into ``gm`` (NOTE [Applying the decisions]); ``lower_decided``
     lowers the program with them and without them and keeps the faster."""
     t0 = time.perf_counter()
-    model = request.model or CostModel.for_mesh(mesh)
+    model = request.model or known_model(mesh)
+    if model is None:       # (pjit fetched it before the lowering: see known_model)
+        raise RuntimeError(
+            f"{request.name}: the AUTO solver has no cost model for {mesh!r}; pjit fetches "
+            f"it (CostModel.for_mesh, a collective at first use) before it lowers a step. "
+            f"Pass cost_model= to pjit, or call CostModel.for_mesh(mesh) on every rank first.")
     b = Builder(gm, mesh, model)
     placeholders = gm.graph.find_nodes(op="placeholder")
     in_units = []
@@ -107,6 +113,11 @@ def decide(gm: fx.GraphModule, mesh, in_placements: list, out_specs: list,
     t1 = time.perf_counter()
     try:
         sol = solve(units, edges, memory, request.budget, ties)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"{request.name}: the AUTO layout solver found no layout on {mesh!r} ({e}); "
+            f"this is a bug of the solver: please report it with lowered.global_graph. "
+            f"Give the specs by hand meanwhile.") from None
     except Infeasible as e:
         raise ValueError(
             f"{request.name}: no layout fits memory_budget={request.budget:,} bytes per rank "
@@ -157,15 +168,23 @@ def lower_decided(gm: fx.GraphModule, decision: Decision, mesh,
         plain = lower(gm)
         plain_s = rep["candidates"]["propagation"] = predict_graph(plain.graph, mesh,
                                                                    decision.model)["total_s"]
-    except (RuntimeError, ValueError, NotImplementedError) as e:
+    except (ShardingRuleError, RuntimeError) as e:
         # DTensor's propagation from these layouts can meet a view it cannot shard
-        # (heads that the axis does not divide) where the solver's moves avoid it
+        # (heads that the axis does not divide) where the solver's moves avoid it;
+        # anything else is not the propagation's to fail
+        if not isinstance(e, ShardingRuleError) and "could not partition" not in str(e):
+            raise
         failed = e
         rep["propagation_failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     chosen, result = "propagation", plain
     inserted = decision.moves(gm)
     if inserted or plain is None:
-        moved = lower(gm)
+        try:
+            moved = lower(gm)
+        except Exception as e:
+            if failed is not None:      # both failed: the propagation's error first
+                raise e from failed
+            raise
         moved_s = rep["candidates"]["solver's moves"] = predict_graph(
             moved.graph, mesh, decision.model)["total_s"]
         if plain_s is None or moved_s < plain_s:
@@ -242,6 +261,8 @@ def _apply(gm, units, choice, mesh, report: dict) -> list:
             continue
         _, ins = unit.strategies[choice[n]]
         for j, (u, o) in enumerate(unit.inputs):
+            if unit.elem and unit.setters[j][2] is None:
+                continue        # a foreach op's tensor outside its lists: element 0 moves it
             prod = units[u]
             have = prod.strategies[choice[u]][0][o]
             want = ins[j]

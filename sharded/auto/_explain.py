@@ -130,6 +130,8 @@ def _candidates(rep: dict) -> list[str]:
             "solver's moves": f"the solver's {rep['applied']} moves written into the program"}
     line = (f"  program: {said[rep['chosen']]}; predicted from its collectives: "
             + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in cands.items()))
+    if rep.get("propagation_failed"):
+        line += f"; DTensor's propagation failed: {rep['propagation_failed']}"
     return [line]
 
 

@@ -166,27 +166,17 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
         for a, ks in enumerate(gp):
             for b, ss in enumerate(gq):
                 y_cost.append(float(cm[ks[0], ss[0]]))
-        for a, ks in enumerate(gp):       # sum_q y[p, q] = sum_{k gives p} x[u, k]
-            for b in range(len(gq)):
-                rows.append(r)
-                cols.append(base + a * len(gq) + b)
-                vals.append(1.0)
-            for k in ks:
-                rows.append(r)
-                cols.append(offset[u] + k)
-                vals.append(-1.0)
-            lo.append(0.0)
-            hi.append(0.0)
-            r += 1
-        for b, ss in enumerate(gq):       # sum_p y[p, q] = sum_{s needs q} x[n, s]
-            for a in range(len(gp)):
-                rows.append(r)
-                cols.append(base + a * len(gq) + b)
-                vals.append(1.0)
-            for s_ in ss:
-                rows.append(r)
-                cols.append(offset[n] + s_)
-                vals.append(-1.0)
+        width = len(gq)
+        # sum_q y[p, q] = sum of x[u, k] over the k that give p, and
+        # sum_p y[p, q] = sum of x[n, s] over the s that need q
+        marginals = [([base + a * width + b for b in range(width)], offset[u], ks)
+                     for a, ks in enumerate(gp)]
+        marginals += [([base + a * width + b for a in range(len(gp))], offset[n], ss)
+                      for b, ss in enumerate(gq)]
+        for ys, at, xs in marginals:
+            rows += [r] * (len(ys) + len(xs))
+            cols += ys + [at + k for k in xs]
+            vals += [1.0] * len(ys) + [-1.0] * len(xs)
             lo.append(0.0)
             hi.append(0.0)
             r += 1

@@ -27,6 +27,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from sharded import _region, _torch
 from sharded.api import CONSTRAINT_OP, constraint_spec
+from sharded.auto.cost import node_flops_bytes
 from sharded.spec import to_placements
 
 _RNG = "sharded::rng"
@@ -76,19 +77,8 @@ def even(shape, placements, mesh_shape) -> bool:
     return True
 
 
-def _flops(node: fx.Node) -> float:
-    """Floating-point operations of ``node`` on global shapes (the flop counter's
-    registry for matmuls, convolutions and attention; one per output element else)."""
-    val = node.meta.get("val")
-    fn = _torch.flop_formula(node.target)
-    if fn is not None:
-        try:
-            args = fx.node.map_aggregate(node.args, lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
-            kwargs = fx.node.map_aggregate(node.kwargs, lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
-            return float(fn(*args, **kwargs, out_val=val))
-        except Exception:       # noqa: BLE001 (a formula that does not take these args)
-            pass
-    return float(sum(v.numel() for v in _tensors(val)))
+def _nbytes(v) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(v))
 
 
 def _tensors(v) -> list:
@@ -97,10 +87,6 @@ def _tensors(v) -> list:
     if isinstance(v, (list, tuple)):
         return [t for x in v for t in _tensors(x)]
     return []
-
-
-def _nbytes(v) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(v))
 
 
 class Builder:
@@ -313,17 +299,18 @@ class Builder:
 
     def _price(self, unit: Unit, node) -> None:
         """Each strategy's compute: the op's flops and bytes (an element of a foreach op:
-        its own tensors'), over the ranks that split it; a view computes nothing."""
-        target = node.target
-        if isinstance(target, _torch.OpOverload) and target.is_view:
-            unit.compute = [0.0] * len(unit.strategies)
-            return
-        ins = sum(_nbytes(self.units[u].vals[o]) for u, o in unit.inputs)
+        its own tensors'), over the ranks that split it, plus the model's per-op cost;
+        a view computes nothing."""
         if unit.elem is None:
-            flops, nbytes = _flops(node), _nbytes(node.meta.get("val")) + ins
+            fb = node_flops_bytes(node)
+            if fb is None:
+                unit.compute = [0.0] * len(unit.strategies)
+                return
+            flops, nbytes = fb
         else:
-            outs = [v for v in unit.vals if isinstance(v, torch.Tensor)]
-            flops, nbytes = float(sum(v.numel() for v in outs)), _nbytes(outs) + ins
+            outs = _tensors(unit.vals)
+            flops = float(sum(v.numel() for v in outs))
+            nbytes = _nbytes(outs) + sum(_nbytes(self.units[u].vals[o]) for u, o in unit.inputs)
         mesh_shape = self.mesh.shape
         for outs_pl, _ in unit.strategies:
             first = next((p for p in outs_pl if p is not None), None)
@@ -332,7 +319,7 @@ class Builder:
                 for size, p in zip(mesh_shape, first):
                     if type(p) in (Shard, Partial):
                         split *= size
-            unit.compute.append(self.model.compute_seconds(flops / split, nbytes / split))
+            unit.compute.append(self.model.op_cost(flops / split, nbytes / split))
 
 
 def set_input(node: fx.Node, where, new: fx.Node) -> None:

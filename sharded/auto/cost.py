@@ -1,7 +1,8 @@
 """The cost model of automatic sharding: seconds of compute and of communication.
 
-``CostModel`` prices a collective (``collective_seconds``) and an op
-(``compute_seconds``); ``CostModel.h100()`` is a stated table (abstract meshes),
+``CostModel`` prices a collective (``collective_seconds``) and an op (``op_cost``:
+a fixed ``op_seconds`` of dispatch plus ``compute_seconds``, its roofline);
+``CostModel.h100()`` is a stated table (abstract meshes),
 ``CostModel.measure(mesh)`` times this machine's collectives and kernels, and
 ``CostModel.for_mesh(mesh)`` picks one (cached per machine). ``predict(lowered)``
 prices a lowered program; ``redistribute_seconds`` prices a change of layout, the
@@ -94,7 +95,8 @@ _KIND_ALIASES = {"ppermute": "send"}
 # graph's own (a bf16 program moves half the bytes of a float32 one by itself).
 # Groups of at most 8 ranks are taken to be within a node (the innermost mesh axes,
 # as torchrun numbers ranks node by node), larger ones to cross nodes, ring-bound by
-# the InfiniBand link.
+# the InfiniBand link. Each op costs H100_OP_SECONDS more (NOTE [Per-op cost]): a
+# kernel launch.
 H100_FP32_FLOPS = 67e12          # FP32 (CUDA cores), datasheet
 H100_TF32_FLOPS = 494.7e12       # TF32 tensor core, dense (989.4 with sparsity), datasheet
 H100_BF16_FLOPS = 989.4e12       # BF16/FP16 tensor core, dense (1979 with sparsity), datasheet
@@ -110,12 +112,20 @@ H100_IB_BUS_BYTES_PER_S = 40e9
 H100_NVLINK_LATENCY_S = 20e-6
 H100_IB_LATENCY_S = 50e-6
 H100_GPUS_PER_NODE = 8
+# One op's fixed cost in a graph run eagerly (a CUDA kernel launch: the host's
+# driver/runtime calls and the dispatcher's few us). NVIDIA's "Getting Started with
+# CUDA Graphs" (developer.nvidia.com/blog/cuda-graphs/, 2019) times back-to-back
+# launches of a ~2.9 us kernel at ~3.8 us each; pegainfer's launch study
+# (susun-blog.com/blog/pegainfer-3-cuda-graph, CUDA 13) puts the launch itself at
+# ~4-6 us. 5 us: a small op on an H100 costs about this whatever its size.
+H100_OP_SECONDS = 5e-6
 
 _H100_FLOPS = {"fp32": H100_FP32_FLOPS, "tf32": H100_TF32_FLOPS, "bf16": H100_BF16_FLOPS}
 
 # to_dict's "format"; from_dict refuses others, and it is part of the cache key. 2: the
-# robust fit of NOTE [Measuring] (format 1's free least-squares lines were noise-bound).
-_FORMAT = 2
+# robust fit of NOTE [Measuring] (format 1's free least-squares lines were noise-bound);
+# 3: op_seconds, the per-op cost (formats 1 and 2 have none: re-measured).
+_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,8 @@ class CostModel:
 
     - ``flops_per_s``: dense matmul throughput of one device;
     - ``bytes_per_s``: its memory bandwidth (an elementwise op costs its bytes / this);
+    - ``op_seconds``: what every op costs on top of its roofline (dispatch, a kernel
+      launch: NOTE [Per-op cost]); 0.0 by default;
     - ``collectives``: rows ``(kind, group_size, latency_s, seconds_per_byte)``
       (NOTE [Collective cost]): a collective of ``kind`` over n ranks costs
       ``latency_s + wire(kind, n) * nbytes * seconds_per_byte`` with the row of the
@@ -136,6 +148,7 @@ class CostModel:
     flops_per_s: float
     bytes_per_s: float
     collectives: tuple[tuple[str, int, float, float], ...] = ()
+    op_seconds: float = 0.0
     _rows: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
     _hash: int = field(default=0, init=False, repr=False, compare=False, hash=False)
 
@@ -147,6 +160,10 @@ class CostModel:
             raise ValueError(
                 f"CostModel {self.name!r}: flops_per_s and bytes_per_s must be positive; "
                 f"got {self.flops_per_s!r} and {self.bytes_per_s!r}.")
+        if not (self.op_seconds >= 0 and math.isfinite(self.op_seconds)):
+            raise ValueError(f"CostModel {self.name!r}: op_seconds must be finite and >= 0; "
+                             f"got {self.op_seconds!r}.")
+        object.__setattr__(self, "op_seconds", float(self.op_seconds))
         rows = tuple(sorted((str(k), int(n), float(a), float(b))
                             for k, n, a, b in self.collectives))
         for kind, n, lat, spb in rows:
@@ -159,7 +176,8 @@ class CostModel:
                     f"size >= 2 and finite latency_s, seconds_per_byte >= 0.")
         object.__setattr__(self, "collectives", rows)
         # redistribute_seconds' cache hashes the model on every call: hash it once
-        object.__setattr__(self, "_hash", hash((self.name, self.flops_per_s, self.bytes_per_s, rows)))
+        object.__setattr__(self, "_hash", hash((self.name, self.flops_per_s, self.bytes_per_s,
+                                               rows, self.op_seconds)))
         by_kind: dict[str, list[tuple[int, float, float]]] = {}
         for kind, n, lat, spb in rows:
             by_kind.setdefault(kind, []).append((n, lat, spb))
@@ -180,6 +198,12 @@ class CostModel:
         """Seconds of one op doing ``flops`` and reading and writing ``nbytes``: the
         slower of the two (a roofline)."""
         return max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+
+    def op_cost(self, flops: float, nbytes: float) -> float:
+        """Seconds of one op doing ``flops`` and reading and writing ``nbytes``, run
+        as one op: ``op_seconds`` (its dispatch, NOTE [Per-op cost]) plus its
+        roofline (``compute_seconds``)."""
+        return self.op_seconds + max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
 
     def _row(self, kind: str, n: int) -> tuple[float, float]:
         if kind not in _WIRE:
@@ -214,7 +238,8 @@ class CostModel:
                          1.0 / H100_IB_BUS_BYTES_PER_S))
         suffix = "" if precision == "fp32" else f", {precision} matmuls"
         return cls(name=f"H100 NCCL (stated{suffix})", flops_per_s=_H100_FLOPS[precision],
-                   bytes_per_s=H100_HBM_BYTES_PER_S, collectives=tuple(rows))
+                   bytes_per_s=H100_HBM_BYTES_PER_S, collectives=tuple(rows),
+                   op_seconds=H100_OP_SECONDS)
 
     @classmethod
     def measure(cls, mesh: Mesh, *, sizes: Sequence[int] = (4 << 10, 64 << 10, 1 << 20, 4 << 20),
@@ -235,11 +260,12 @@ class CostModel:
         return _for_mesh(cls, mesh)
 
     def describe(self) -> str:
-        """The model as a table: compute rates, and per collective kind and group size
-        its latency, bus bandwidth and the seconds of a 4 KiB and a 4 MiB buffer."""
+        """The model as a table: compute rates, the per-op cost, and per collective
+        kind and group size its latency, bus bandwidth and the seconds of a 4 KiB and a
+        4 MiB buffer."""
         lines = [self.name,
                  f"  matmul {self.flops_per_s / 1e9:,.1f} GFLOP/s, memory "
-                 f"{self.bytes_per_s / 1e9:,.1f} GB/s",
+                 f"{self.bytes_per_s / 1e9:,.1f} GB/s, per op {self.op_seconds * 1e6:,.2f} us",
                  f"  {'kind':<15}{'ranks':>6}{'latency':>12}{'bus GB/s':>10}"
                  f"{'4 KiB':>12}{'4 MiB':>12}"]
         for kind, n, lat, spb in self.collectives:
@@ -257,7 +283,8 @@ class CostModel:
         for kind, n, lat, spb in self.collectives:
             table.setdefault(kind, []).append([n, lat, spb])
         return {"format": _FORMAT, "name": self.name, "flops_per_s": self.flops_per_s,
-                "bytes_per_s": self.bytes_per_s, "collectives": table}
+                "bytes_per_s": self.bytes_per_s, "op_seconds": self.op_seconds,
+                "collectives": table}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CostModel":
@@ -270,7 +297,8 @@ class CostModel:
             rows = tuple((str(kind), int(n), float(lat), float(spb))
                          for kind, entries in d["collectives"].items() for n, lat, spb in entries)
             return cls(name=str(d["name"]), flops_per_s=float(d["flops_per_s"]),
-                       bytes_per_s=float(d["bytes_per_s"]), collectives=rows)
+                       bytes_per_s=float(d["bytes_per_s"]), collectives=rows,
+                       op_seconds=float(d["op_seconds"]))
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"CostModel.from_dict: malformed cost model ({e!r}): {d!r:.200}.") from e
 
@@ -278,20 +306,39 @@ class CostModel:
 # ---------------------------------------------------------------------------
 # Measuring
 # ---------------------------------------------------------------------------
+# NOTE [Per-op cost]
+# An op costs a fixed ``op_seconds`` on top of its roofline (CostModel.op_cost): the
+# Python call of its aten overload in the graph runner's code, the dispatcher, and on
+# a GPU the kernel launch. On CPU a small op's roofline is nanoseconds and this is all
+# it costs: a gpt-tiny step's 690-1011 local ops cost more than its flops and bytes
+# (benchmarks/README.md, "Automatic sharding": without it ``predict`` gave 0.10-0.50x
+# the measured step times). ``measure`` times it as the mean seconds per call of two
+# tiny ops (aten.add.Tensor of 64 floats and aten.mm.default of 8 x 8) called
+# _OP_LOOP times in a row (a low percentile of such loops, NOTE [Measuring]); on CUDA
+# the loop ends with one synchronize, so it times the launch rate, not a kernel's
+# round trip. The stated H100 table says 5 us (H100_OP_SECONDS). A collective's
+# latency already holds its own call's, and a view's is not charged (predict and the
+# solver price neither as an op; predict counts the views apart). It is a floor: on
+# the 2-core CPU machine (2026-11-27) the loops gave 2.0-2.6 us per op, where the
+# local graph of an 8 x Linear(64) AdamW step ran alone at ~4.5 us per node (52
+# priced ops, 97 views, getitems) and a pjit call of it took ~1 ms more than its graph
+# (a per-call cost this model does not hold either).
+
 # NOTE [Measuring]
 # CostModel.measure times, on each mesh axis of more than one rank, all_reduce,
 # all_gather_single, reduce_scatter_single and all_to_all_single with
 # torch.distributed on the axis's process group (float32 buffers of each of ``sizes``
-# bytes), a local matmul (flops/s) and an elementwise add (bytes/s, its two reads and
-# one write). The machine may be noisy (4 gloo ranks on 2 shared cores are preempted
-# for milliseconds at a time, 10x a small collective's cost), and noise only ever adds
-# time, so each figure is a LOW PERCENTILE of single timed calls (after a warm-up call),
-# not their median nor their mean: the 20th percentile of ``repeats`` calls (3x as
-# many for buffers up to 64 KiB, which are cheap and whose noise is most of their
-# time), the lowest of fewer than 10; each call ends by a device synchronize on CUDA.
-# (Batches of back-to-back calls, meant to spread the skew of the ranks' arrivals,
-# did worse there: on 4 ranks of 2 cores one call in three or four of a 4 KiB buffer
-# is preempted for 2-15 ms, so nearly every batch held one.) Every point starts
+# bytes), a local matmul (flops/s), an elementwise add (bytes/s, its two reads and
+# one write) and loops of tiny ops (op_seconds: NOTE [Per-op cost]). The machine may
+# be noisy (4 gloo ranks on 2 shared cores are preempted for milliseconds at a time,
+# 10x a small collective's cost), and noise only ever adds time, so each figure is a
+# LOW PERCENTILE of single timed calls (after a warm-up call), not their median nor
+# their mean: the 20th percentile of ``repeats`` calls (3x as many for buffers up to
+# 64 KiB, which are cheap and whose noise is most of their time), the lowest of fewer
+# than 10; each call ends by a device synchronize on CUDA. (Batches of back-to-back
+# calls, meant to spread the skew of the ranks' arrivals, did worse there: on 4 ranks
+# of 2 cores one call in three or four of a 4 KiB buffer is preempted for 2-15 ms, so
+# nearly every batch held one.) Every point starts
 # with a barrier over all the mesh's ranks: otherwise one group of an axis times its
 # collective while another group is still computing beside it. The local kernels are
 # timed after the collectives, since OpenMP's threads spin for a while after a
@@ -405,6 +452,32 @@ def _fit_table(times: Mapping[tuple[str, int, int], float], bytes_per_s: float
     return out
 
 
+# a loop of this many tiny ops is one timed call of NOTE [Per-op cost]
+_OP_LOOP = 100
+
+
+def _op_seconds(device: torch.device, repeats: int) -> float:
+    """One op's fixed cost (NOTE [Per-op cost]): the mean of a tiny elementwise op's
+    and a tiny matmul's seconds per call, each called through its aten overload (as
+    the graph runner does) ``_OP_LOOP`` times in a row per timed call."""
+    x = torch.ones(64, device=device)
+    y = torch.ones(64, device=device)
+    a = torch.ones(8, 8, device=device)
+    add, mm = torch.ops.aten.add.Tensor, torch.ops.aten.mm.default
+
+    def adds():
+        for _ in range(_OP_LOOP):
+            add(x, y)
+
+    def mms():
+        for _ in range(_OP_LOOP):
+            mm(a, a)
+
+    tries = max(10, _SMALL_TRIES * repeats)
+    per = [_low_seconds(fn, device, tries) / _OP_LOOP for fn in (adds, mms)]
+    return sum(per) / len(per)
+
+
 def _local_rates(device: torch.device, repeats: int) -> tuple[float, float]:
     big = device.type == "cuda"
     m = 4096 if big else 256
@@ -448,29 +521,30 @@ def _measure(cls, mesh: Mesh, sizes: tuple[int, ...], repeats: int) -> CostModel
     # the local kernels last: OpenMP's threads spin for a while after a parallel region,
     # and would take the cores from the collectives timed after them
     flops, bw = _local_rates(device, repeats)
-    numbers = [flops, bw, *seconds]
+    numbers = [flops, bw, _op_seconds(device, repeats), *seconds]
     group = sync_group
     if group is not None:               # the median over ranks, per figure
         mine = torch.tensor(numbers, dtype=torch.float64)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(every, mine, group=group)
         numbers = torch.quantile(torch.stack(every), 0.5, dim=0).tolist()
-    flops, bw = numbers[0], numbers[1]
+    flops, bw, op_s = numbers[0], numbers[1], numbers[2]
     times: dict[tuple[str, int, int], float] = {}
-    for (i, kind, exact), t in zip(points, numbers[2:]):
+    for (i, kind, exact), t in zip(points, numbers[3:]):
         key = (kind, mesh.shape[i], exact)
         times[key] = max(times.get(key, 0.0), t)     # axes of one size: the slower
     fits = _fit_table(times, bw)
     keys = sorted(fits)
-    final = [flops, bw] + [v for k in keys for v in fits[k]]
+    final = [flops, bw, op_s] + [v for k in keys for v in fits[k]]
     if group is not None:               # bit-equal on every rank
         buf = torch.tensor(final, dtype=torch.float64)
         dist.broadcast(buf, group=group, group_src=0)
         final = buf.tolist()
     backend = _backend(mesh)
     name = f"measured: {backend}, {mesh.size()} ranks, {_host_of_rank0(mesh)}"
-    rows = tuple((k, n, final[2 + 2 * j], final[3 + 2 * j]) for j, (k, n) in enumerate(keys))
-    return cls(name=name, flops_per_s=final[0], bytes_per_s=final[1], collectives=rows)
+    rows = tuple((k, n, final[3 + 2 * j], final[4 + 2 * j]) for j, (k, n) in enumerate(keys))
+    return cls(name=name, flops_per_s=final[0], bytes_per_s=final[1], collectives=rows,
+               op_seconds=final[2])
 
 
 def _backend(mesh: Mesh) -> str:
@@ -551,14 +625,31 @@ def _write_cache(key: dict, model: CostModel) -> None:
         pass                     # a read-only home: measure again next time
 
 
+def _memo_key(cls, mesh: Mesh) -> tuple:
+    key = _cache_key(mesh)
+    memo_key = (cls, id(dist.group.WORLD), *(v for k, v in sorted(key.items()) if k != "host"))
+    return tuple(tuple(v) if isinstance(v, list) else v for v in memo_key)
+
+
+def known_model(mesh: Mesh) -> CostModel | None:
+    """The model ``CostModel.for_mesh(mesh)`` gives, if it needs no communication:
+    ``h100()`` for an abstract mesh, this process's model of a real mesh once
+    ``for_mesh`` has fetched it, else None. The AUTO solver reads it inside the
+    lowering, where a collective could hang ranks that failed before it; pjit fetches
+    the model first, before anything a rank can fail alone."""
+    if mesh.is_abstract:
+        return CostModel.h100()
+    with _MEMO_LOCK:
+        return _MEMO.get(_memo_key(CostModel, mesh))
+
+
 def _for_mesh(cls, mesh: Mesh) -> CostModel:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"CostModel.for_mesh: mesh must be a sharded.Mesh; got {type(mesh).__name__}.")
     if mesh.is_abstract:
         return cls.h100()
     key = _cache_key(mesh)
-    memo_key = (cls, id(dist.group.WORLD), *(v for k, v in sorted(key.items()) if k != "host"))
-    memo_key = tuple(tuple(v) if isinstance(v, list) else v for v in memo_key)
+    memo_key = _memo_key(cls, mesh)
     with _MEMO_LOCK:
         found = _MEMO.get(memo_key)
     if found is not None:
@@ -659,14 +750,16 @@ def _redistribute(model: CostModel, src: tuple, dst: tuple, shape: tuple, itemsi
 # Predicting a lowered program
 # ---------------------------------------------------------------------------
 # NOTE [Predicted step time]
-# predict prices the program one rank runs (its local graph): every aten op's
-# compute_seconds, with the flops of torch.utils.flop_counter's formulas (matmuls,
-# convolutions, attention) or else one per output element, and the bytes of its
-# tensor inputs and outputs; views, collectives and their waits compute nothing. Each
-# collective costs collective_seconds. The total is their sum: it assumes no overlap
-# of communication with compute (an upper bound where the passes overlap them), and
-# ignores the launch overhead of small kernels. A Lowered's backward
-# (``lowered.backward``, under autograd) is a program of its own: predict it apart.
+# predict prices the program one rank runs (its local graph): every aten op's op_cost
+# (op_seconds, NOTE [Per-op cost], plus its compute_seconds), with the flops of
+# torch.utils.flop_counter's formulas (matmuls, convolutions, attention) or else one
+# per output element, and the bytes of its tensor inputs and outputs; views,
+# collectives and their waits compute nothing and are not charged op_seconds. Each
+# collective costs collective_seconds. The total is the sum (reported apart: compute_s
+# the rooflines, overhead_s the ops' op_seconds, comm_s the collectives): it assumes
+# no overlap of communication with compute (an upper bound where the passes overlap
+# them). A Lowered's backward (``lowered.backward``, under autograd) is a program of
+# its own: predict it apart.
 def _tensor_vals(x) -> list[torch.Tensor]:
     if isinstance(x, torch.fx.Node):
         x = x.meta.get("val")
@@ -689,7 +782,9 @@ def _nbytes(ts: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def _node_flops_bytes(node: torch.fx.Node) -> tuple[float, float] | None:
+def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float] | None:
+    """(flops, bytes read and written) of an op node of a traced program, from its
+    fake values; None for what computes nothing (views, collectives, waits)."""
     target = node.target
     if (not isinstance(target, _torch.OpOverload) or target in _torch.COLLECTIVE_OPS
             or target is _torch.WAIT_OP or target.is_view):
@@ -712,9 +807,12 @@ def _node_flops_bytes(node: torch.fx.Node) -> tuple[float, float] | None:
 
 def predict(lowered: "Lowered", model: CostModel | None = None) -> dict:
     """Predicted seconds of one call of ``lowered`` on this rank (NOTE [Predicted
-    step time]): ``{"compute_s", "comm_s", "total_s", "collectives": count,
-    "comm_by_kind": {kind: {"count", "seconds"}}}``. ``model`` None:
-    ``CostModel.for_mesh(lowered.mesh)`` (collective on a mesh of real ranks)."""
+    step time]): ``{"compute_s", "overhead_s", "comm_s", "total_s", "ops": count,
+    "views": count, "collectives": count, "comm_by_kind": {kind: {"count",
+    "seconds"}}}``: ``compute_s`` the ops' rooflines, ``overhead_s`` ``ops`` x
+    ``op_seconds``, ``total_s`` the three's sum; ``views`` the view ops (not
+    charged). ``model`` None: ``CostModel.for_mesh(lowered.mesh)`` (collective on a
+    mesh of real ranks)."""
     if lowered.pipeline is not None:
         raise NotImplementedError(
             f"predict: {lowered.name} is a pipelined step (sharded.pipeline); its time "
@@ -728,12 +826,17 @@ def predict(lowered: "Lowered", model: CostModel | None = None) -> dict:
 def predict_graph(gm: torch.fx.GraphModule, mesh: Mesh, model: CostModel) -> dict:
     """``predict`` of a local graph (one rank's program) on ``mesh``."""
     compute = 0.0
+    ops = views = 0
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        fb = _node_flops_bytes(node)
+        fb = node_flops_bytes(node)
         if fb is not None:
             compute += model.compute_seconds(*fb)
+            ops += 1
+        elif isinstance(node.target, _torch.OpOverload) and node.target.is_view:
+            views += 1
+    overhead = ops * model.op_seconds
     comm = 0.0
     by_kind: dict[str, dict[str, float]] = {}
     calls = _collectives(gm, mesh)
@@ -743,7 +846,8 @@ def predict_graph(gm: torch.fx.GraphModule, mesh: Mesh, model: CostModel) -> dic
         row = by_kind.setdefault(c.kind, {"count": 0, "seconds": 0.0})
         row["count"] += 1
         row["seconds"] += s
-    return {"compute_s": compute, "comm_s": comm, "total_s": compute + comm,
+    return {"compute_s": compute, "overhead_s": overhead, "comm_s": comm,
+            "total_s": compute + overhead + comm, "ops": ops, "views": views,
             "collectives": len(calls), "comm_by_kind": by_kind}
 
 
