@@ -3,7 +3,7 @@ train step on local gloo ranks, every plan side by side in one run, plus the sol
 of a GPT-2-small step on an abstract 8x8 mesh.
 
     python benchmarks/bench_auto.py              # gpt-tiny and the MLP, world 2 and 2x2
-    python benchmarks/bench_auto.py --quick      # tiny shapes, 1 round (a smoke run)
+    python benchmarks/bench_auto.py --quick      # tiny shapes, 2 rounds (a smoke run; auto_quick.json, not committed)
 
 Models (forward, backward, ``sharded.optim.adamw`` lr 1e-3 weight decay 1e-2, the
 graph runner ``DTensorExpandMode(compile=False)`` unless the plan is a
@@ -21,6 +21,9 @@ Plans (``PLANS``), on 2 ranks (``ws2``) and on 4 ranks as ("dp", "tp") = 2x2:
   auto       ``in_specs=(AUTO, AUTO, batch, batch)``, ``out_specs=(AUTO, AUTO, P())``
              (the state comes out as it went in); ws2: Mesh((2,), ("dp",)), batch
              P("dp"); 2x2: Mesh((2, 2), ("dp", "tp")), batch P("dp")
+  auto_flat  2x2 only: ``auto`` on Mesh((4,), ("dp",)), the flat mesh the DataParallelMode
+             plans need (what a user with 4 ranks could give AUTO instead of the 2x2 grid);
+             not a hand plan (AUTO / best hand plan is given for both AUTO rows)
   ddp        parameters and moments P(), batch split over every rank (ws2: P("dp") on
              ("dp",); 2x2: P(("dp", "tp")) on the 2x2 mesh), DTensorExpandMode
   ddp_mode   DataParallelMode("replicate"), batch P("dp") (2x2: on Mesh((4,), ("dp",)):
@@ -41,7 +44,9 @@ cost model the AUTO solver used (``CostModel.for_mesh`` of the AUTO row's mesh; 
 2x2 rows on Mesh((4,)) are priced with it too). The predicted ranking of the plans
 against the measured one (equal orders, Spearman's rho), the error per plan
 (predicted / measured), AUTO / the best hand plan, the AUTO lower, build and solve
-seconds and the layouts it chose. After the timing, every row's state (losses,
+seconds, the layouts it chose and the program it kept (``lowered.auto["candidates"]``:
+the predicted seconds of the program with the solver's moves and of DTensor's
+propagation from the chosen input layouts; ``["chosen"]``). After the timing, every row's state (losses,
 parameter and moment checksums) is checked against a single-device run of as many
 steps (NOTE [Every row did the same work] in ``_models.py``); a row that differs fails
 the run, after the results are written.
@@ -56,6 +61,8 @@ hand plan that does not lower on that mesh is recorded as such: Megatron's 12 he
 not split over tp = 8).
 
 Writes ``benchmarks/results/auto.json`` (``--quick``: ``auto_quick.json``).
+Run from a clean export of a commit (``git archive HEAD | tar -x -C DIR``, no ``.git``
+there), set ``BENCH_GIT_REV`` to that commit: it is recorded as the result's ``git``.
 """
 
 from __future__ import annotations
@@ -83,7 +90,10 @@ from benchmarks._models import git_rev, timed_interleaved, write_result  # noqa:
 from sharded import RankPool  # noqa: E402
 
 PLANS = {
-    "auto": "AUTO params and AdamW state (out: AUTO, tied to the inputs), batch P('dp')",
+    "auto": "AUTO params and AdamW state (out: AUTO, tied to the inputs), batch P('dp'), on the "
+            "mesh the row names (ws2: (2,) ('dp',); 2x2: (2, 2) ('dp', 'tp'))",
+    "auto_flat": "2x2 rows only: AUTO as 'auto' on the flat Mesh((4,), ('dp',)) the DataParallelMode "
+                 "plans run on",
     "ddp": "params/state P(), batch over every rank; DTensorExpandMode",
     "ddp_mode": "DataParallelMode('replicate'), batch P('dp')",
     "fsdp": "DataParallelMode('shard'), batch P('dp')",
@@ -103,7 +113,8 @@ def _meshes(layout: str):
         return {"auto": (dp, P("dp")), "ddp": (dp, P("dp")), "ddp_mode": (dp, P("dp")),
                 "fsdp": (dp, P("dp")), "megatron": (tp, P()), "sp": (tp, P())}
     grid, flat = Mesh((2, 2), ("dp", "tp")), Mesh((4,), ("dp",))
-    return {"auto": (grid, P("dp")), "ddp": (grid, P(("dp", "tp"))), "ddp_mode": (flat, P("dp")),
+    return {"auto": (grid, P("dp")), "auto_flat": (flat, P("dp")),
+            "ddp": (grid, P(("dp", "tp"))), "ddp_mode": (flat, P("dp")),
             "fsdp": (flat, P("dp")), "megatron": (grid, P("dp")), "sp": (grid, P("dp"))}
 
 
@@ -184,7 +195,7 @@ def _run_model(a: dict, layout: str, name: str) -> dict:
     out: dict = {"lower_s": {}, "predicted": {}, "cost": {}, "loss0": {}, "cost_model": model.to_dict()}
     steps, fingerprints = {}, {}
 
-    for plan in [p for p in a["plans"] if p in spec["plans"]]:
+    for plan in [p for p in a["plans"] if p in spec["plans"] and p in meshes]:
         mesh, bs = meshes[plan]
         st: dict = {}
         if plan in ("ddp_mode", "fsdp"):
@@ -194,7 +205,7 @@ def _run_model(a: dict, layout: str, name: str) -> dict:
             st["o"] = pjit(optim.adamw_init, in_specs=P(), mesh=mesh, mode=mode)(params)   # born sharded
             args = (x, y)
         else:
-            if plan == "auto":
+            if plan.startswith("auto"):
                 fn, ps = spec["plain_step"](), AUTO
             elif plan == "ddp":
                 fn, ps = spec["plain_step"](), P()
@@ -209,19 +220,25 @@ def _run_model(a: dict, layout: str, name: str) -> dict:
         t0 = time.perf_counter()
         low = f.lower(st["p"], st["o"], *args)
         out["lower_s"][plan] = time.perf_counter() - t0
-        if plan == "auto":
+        if plan.startswith("auto"):
             # the layouts the solver chose: the state laid out as they say (the
             # outputs come back the same, out_specs tied to the inputs)
             st["p"], st["o"] = shard((params, optim.adamw_init(params)),
                                      (low.in_specs[0], low.in_specs[1]), mesh)
             rep = low.auto
-            out["auto"] = {k: rep[k] for k in ("solve_s", "build_s", "apply_s", "objective_s",
-                                               "compute_s", "moves_s", "memory_bytes", "variables",
-                                               "constraints", "status", "applied", "unapplied",
-                                               "unsupported_ops") if k in rep}
-            out["auto"]["decide_s"] = low.compile_times().get("decide")
-            out["auto"]["layouts"] = _summary(low.layouts)
-            out["auto"]["explain"] = low.explain() if rank == 0 else None
+            ar = out.setdefault("autos", {})[plan] = {
+                k: rep[k] for k in ("solve_s", "build_s", "apply_s", "lower_s", "objective_s",
+                                    "compute_s", "moves_s", "memory_bytes", "variables",
+                                    "constraints", "status", "applied", "unapplied",
+                                    "unsupported_ops", "candidates", "chosen",
+                                    "propagation_failed") if k in rep}
+            ar["mesh"] = list(mesh.shape) if hasattr(mesh, "shape") else None
+            ar["solver_cost_model"] = rep.get("model")
+            ar["decide_s"] = low.compile_times().get("decide")
+            ar["layouts"] = _summary(low.layouts)
+            ar["explain"] = low.explain() if rank == 0 else None
+            if plan == "auto":
+                out["auto"] = ar
         elif plan not in ("ddp_mode", "fsdp"):
             st["p"], st["o"] = shard((params, optim.adamw_init(params)), (ps, os_), mesh)
         out["predicted"][plan] = predict(low, model)
@@ -295,6 +312,9 @@ def _abstract(a: dict) -> dict:
                         "apply_s": low.auto.get("apply_s"), "variables": low.auto.get("variables"),
                         "constraints": low.auto.get("constraints"),
                         "objective_ms": low.auto["objective_s"] * 1e3,
+                        "candidates_ms": {k: v * 1e3 for k, v in
+                                          (low.auto.get("candidates") or {}).items()},
+                        "chosen": low.auto.get("chosen"),
                         "compile_times": low.compile_times(), "layouts": _summary(low.layouts),
                         "explain": low.explain()})
             print(f"GPT-2-small ({ca['layers']} layers, d 768, vocab {ca['vocab']}, batch "
@@ -333,7 +353,7 @@ def _table(layout: str, name: str, per_rank: list[dict], a: dict) -> dict:
     ms = {p: max(statistics.median(r[name]["times"][p]) for r in per_rank) * 1e3 for p in plans}
     pred = {p: r0["predicted"][p]["total_s"] * 1e3 for p in plans}
     checked = M.same_work(r0["fingerprint"], r0["reference"])
-    hand = [p for p in plans if p != "auto"]
+    hand = [p for p in plans if not p.startswith("auto")]
     best = min(hand, key=lambda p: ms[p]) if hand else None
     pred_best = min(hand, key=lambda p: pred[p]) if hand else None
     measured_order = sorted(plans, key=lambda p: ms[p])
@@ -362,6 +382,9 @@ def _table(layout: str, name: str, per_rank: list[dict], a: dict) -> dict:
            "auto_over_best_hand": ms["auto"] / ms[best] if best and "auto" in ms else None,
            "auto_predicted_over_best_hand_predicted": (pred["auto"] / pred[pred_best]
                                                        if pred_best and "auto" in pred else None),
+           "auto_flat_over_best_hand": (ms["auto_flat"] / ms[best]
+                                        if best and "auto_flat" in ms else None),
+           "autos": r0.get("autos", {}),
            "lower_s": r0["lower_s"], "collectives": r0["cost"], "loss_first_step": r0["loss0"],
            "auto": auto, "cost_model": r0["cost_model"],
            "same_work": {"rtol": M.SAME_WORK_RTOL, "steps": r0["reference"]["step"],
@@ -374,6 +397,13 @@ def _table(layout: str, name: str, per_rank: list[dict], a: dict) -> dict:
     print(f"measured order:  {' < '.join(measured_order)}")
     print(f"predicted order: {' < '.join(predicted_order)}  (equal: {row['orders_equal']}, "
           f"Spearman {rho:.2f})")
+    for ap, ar in r0.get("autos", {}).items():
+        print(f"{ap}: program kept: {ar.get('chosen')}; candidates (predicted ms): "
+              + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in (ar.get("candidates") or {}).items())
+              + (f"; propagation failed: {ar['propagation_failed']}" if ar.get("propagation_failed")
+                 else ""))
+    if "auto_flat" in ms and best:
+        print(f"AUTO on (4,) / best hand plan ({best}): {row['auto_flat_over_best_hand']:.2f}")
     if auto:
         print(f"AUTO: lower {r0['lower_s']['auto']:.2f} s (build {auto['build_s']:.2f} s, solve "
               f"{auto['solve_s']:.2f} s), solver objective {auto['objective_s'] * 1e3:.1f} ms; layouts: "
@@ -434,6 +464,7 @@ def main(argv=None):
 
     summary = {f"{name}@{layout}": {
         "auto_over_best_hand": results[layout][name]["auto_over_best_hand"],
+        "auto_flat_over_best_hand": results[layout][name]["auto_flat_over_best_hand"],
         "best_hand": results[layout][name]["best_hand"],
         "orders_equal": results[layout][name]["orders_equal"],
         "spearman": results[layout][name]["spearman"]} for layout in layouts for name in a["models"]}
@@ -445,7 +476,7 @@ def main(argv=None):
         "benchmark": "auto",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__,
-        "git": git_rev(),
+        "git": os.environ.get("BENCH_GIT_REV") or git_rev(),
         "cpu_count": os.cpu_count(),
         "config": a,
         "plans": PLANS,
