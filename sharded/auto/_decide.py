@@ -15,7 +15,7 @@ from sharded.errors import ShardingRuleError
 from sharded.api import CONSTRAINT_OP, spec_text
 from sharded.auto._explain import report as _report
 from sharded.auto._solve import Infeasible, edge_costs, solve
-from sharded.auto._units import Builder, Unit, placements_of, set_input
+from sharded.auto._units import Builder, Unit, get_input, placements_of, set_input
 from sharded.auto.cost import CostModel, known_model, predict_graph
 from sharded.spec import AUTO, P, from_placements, to_placements
 
@@ -272,7 +272,7 @@ def _apply(gm, units, choice, mesh, report: dict) -> list:
             if spec is None:
                 unapplied += 1
                 continue
-            src = _source_node(unit, j)
+            src = get_input(unit.node, unit.setters[j])
             key = (src, spec)
             if key not in made:
                 with g.inserting_before(unit.node):
@@ -294,15 +294,3 @@ def _undo(gm, inserted: list) -> None:
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
     gm.graph.lint()
-
-
-def _source_node(unit: Unit, j: int) -> fx.Node:
-    (container, key, pos) = unit.setters[j]
-    node = unit.node
-    if container == "args":
-        return node.args[key]
-    if container == "kwargs":
-        return node.kwargs[key]
-    outer, okey = container
-    seq = node.args[okey] if outer == "args" else node.kwargs[okey]
-    return seq[key]

@@ -325,25 +325,31 @@ class Builder:
 def set_input(node: fx.Node, where, new: fx.Node) -> None:
     """Replace the tensor input of ``node`` at ``where`` (from ``Builder._tensor_args``)
     by ``new``."""
-    (container, key, pos) = where
+    (container, key, _) = where
     if container in ("args", "kwargs"):
-        if container == "args":
-            args = list(node.args)
-            args[key] = new
-            node.args = tuple(args)
-        else:
-            node.kwargs = {**node.kwargs, key: new}
+        _set(node, container, key, new)
         return
-    (outer, okey) = container
-    if outer in ("args", "kwargs"):
-        seq = node.args[okey] if outer == "args" else node.kwargs[okey]
-        seq = list(seq)
-        seq[key] = new
-        if outer == "args":
-            args = list(node.args)
-            args[okey] = seq
-            node.args = tuple(args)
-        else:
-            node.kwargs = {**node.kwargs, okey: seq}
-        return
-    raise NotImplementedError("nested tensor lists")
+    outer, okey = container
+    seq = list(node.args[okey] if outer == "args" else node.kwargs[okey])
+    seq[key] = new
+    _set(node, outer, okey, seq)
+
+
+def get_input(node: fx.Node, where) -> fx.Node:
+    """The tensor input of ``node`` at ``where`` (from ``Builder._tensor_args``)."""
+    (container, key, _) = where
+    if container == "args":
+        return node.args[key]
+    if container == "kwargs":
+        return node.kwargs[key]
+    outer, okey = container
+    return (node.args[okey] if outer == "args" else node.kwargs[okey])[key]
+
+
+def _set(node: fx.Node, container: str, key, value) -> None:
+    if container == "args":
+        args = list(node.args)
+        args[key] = value
+        node.args = tuple(args)
+    else:
+        node.kwargs = {**node.kwargs, key: value}
