@@ -26,8 +26,9 @@ class Lowered:
     - AUTO specs (docs/auto.md): ``layouts`` is ``{"inputs": {path: P}, "outputs":
       {path: P}}``, the specs the solver chose; ``in_specs`` and ``out_specs`` are the
       pjit's in_specs and out_specs with every AUTO decided (a spec per tensor, in
-      the arguments' structure: reusable as hand-written specs); ``auto`` is the
-      solver's report (the terms of its objective, the memory, the times) and
+      the arguments' structure: reusable as hand-written specs, which give this same
+      program where ``auto["chosen"] == "propagation"``); ``auto`` is the solver's
+      report (the terms of its objective, the memory, the times, the candidates) and
       ``explain()`` says it in words, block by block.
     - ``pipeline``: for a step that calls ``sharded.pipeline(...)``, its schedule:
       stages, per-stage and per-rank memory, the bubble fraction and each rank's
