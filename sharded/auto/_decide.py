@@ -116,8 +116,8 @@ def decide(gm: fx.GraphModule, mesh, in_placements: list, out_specs: list,
     except RuntimeError as e:
         raise RuntimeError(
             f"{request.name}: the AUTO layout solver found no layout on {mesh!r} ({e}); "
-            f"this is a bug of the solver: please report it with lowered.global_graph. "
-            f"Give the specs by hand meanwhile.") from None
+            f"this is a bug of the solver: please report it with the step. Give the specs "
+            f"by hand meanwhile.") from None
     except Infeasible as e:
         raise ValueError(
             f"{request.name}: no layout fits memory_budget={request.budget:,} bytes per rank "
