@@ -8,6 +8,7 @@ are used.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any
 
 import torch
@@ -1024,8 +1025,6 @@ def op_strategies(op, args, kwargs, device_mesh) -> list | None:
     (DTensor's own expansion keeps only the shard kinds its inputs already have and
     takes one layout per input); an op with a whole-mesh strategy function gets it
     with each input's candidate placements."""
-    import itertools
-
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
     from torch.distributed.tensor._ops.single_dim_strategy import (

@@ -414,6 +414,27 @@ def test_a_budget_without_auto_is_an_error():
         pjit(sgd_step(mlp_loss), in_specs=(P(), P("dp"), P("dp")), mesh=MESH22, memory_budget=10**6)
 
 
+@pytest.mark.parametrize("budget", [0, -1, 1.5e6, True])
+def test_a_budget_that_is_not_a_positive_int_is_an_error(budget):
+    with pytest.raises(ValueError, match=r"memory_budget must be a positive int \(bytes per "
+                                         r"rank\); got " + re.escape(repr(budget))):
+        _mlp_pjit(budget)
+
+
+def test_a_budget_may_be_any_integral():
+    import numpy as np
+
+    assert _mlp_pjit(np.int64(10**6)).arguments.memory_budget == 10**6
+
+
+@pytest.mark.parametrize("which", ["in_specs", "out_specs"])
+def test_auto_in_a_shard_maps_specs_is_an_error(which):
+    specs = {"in_specs": P(), "out_specs": P(), which: AUTO}
+    with pytest.raises(ValueError, match=r"shard_map\(<lambda>\): " + which + r" holds AUTO; a "
+                                         r"shard_map body is per-rank code.*AUTO is pjit's"):
+        shard_map(lambda v: v, mesh=MESH22, **specs)
+
+
 # -- tests: a GPT-2-small-shaped step on Mesh.abstract((8, 8)) -----------------------------------
 
 @functools.lru_cache(maxsize=None)

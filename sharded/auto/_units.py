@@ -27,7 +27,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from sharded import _region, _torch
 from sharded.api import CONSTRAINT_OP, constraint_spec
-from sharded.auto.cost import node_flops_bytes
+from sharded.auto.cost import node_flops_bytes, tensor_bytes, tensor_vals
 from sharded.spec import to_placements
 
 _RNG = "sharded::rng"
@@ -75,18 +75,6 @@ def even(shape, placements, mesh_shape) -> bool:
         elif type(p) is not Replicate:
             return False
     return True
-
-
-def _nbytes(v) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(v))
-
-
-def _tensors(v) -> list:
-    if isinstance(v, torch.Tensor):
-        return [v]
-    if isinstance(v, (list, tuple)):
-        return [t for x in v for t in _tensors(x)]
-    return []
 
 
 class Builder:
@@ -308,9 +296,9 @@ class Builder:
                 return
             flops, nbytes = fb
         else:
-            outs = _tensors(unit.vals)
-            flops = float(sum(v.numel() for v in outs))
-            nbytes = _nbytes(outs) + sum(_nbytes(self.units[u].vals[o]) for u, o in unit.inputs)
+            flops = float(sum(v.numel() for v in tensor_vals(unit.vals)))
+            nbytes = tensor_bytes(unit.vals) + sum(tensor_bytes(self.units[u].vals[o])
+                                                   for u, o in unit.inputs)
         mesh_shape = self.mesh.shape
         for outs_pl, _ in unit.strategies:
             first = next((p for p in outs_pl if p is not None), None)

@@ -760,13 +760,14 @@ def _redistribute(model: CostModel, src: tuple, dst: tuple, shape: tuple, itemsi
 # no overlap of communication with compute (an upper bound where the passes overlap
 # them). A Lowered's backward (``lowered.backward``, under autograd) is a program of
 # its own: predict it apart.
-def _tensor_vals(x) -> list[torch.Tensor]:
+def tensor_vals(x) -> list[torch.Tensor]:
+    """The tensors of a value (a node's fake value, a tensor, or lists of them)."""
     if isinstance(x, torch.fx.Node):
         x = x.meta.get("val")
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensor_vals(v)]
+        return [t for v in x for t in tensor_vals(v)]
     return []
 
 
@@ -782,6 +783,11 @@ def _nbytes(ts: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+def tensor_bytes(x) -> int:
+    """The bytes of the tensors of a value (``tensor_vals``)."""
+    return _nbytes(tensor_vals(x))
+
+
 def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float] | None:
     """(flops, bytes read and written) of an op node of a traced program, from its
     fake values; None for what computes nothing (views, collectives, waits)."""
@@ -789,11 +795,11 @@ def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float] | None:
     if (not isinstance(target, _torch.OpOverload) or target in _torch.COLLECTIVE_OPS
             or target is _torch.WAIT_OP or target.is_view):
         return None
-    outs = _tensor_vals(node)
+    outs = tensor_vals(node)
     if not outs:
         return None
-    nbytes = _nbytes(outs) + sum(_nbytes(_tensor_vals(a)) for a in node.args) + sum(
-        _nbytes(_tensor_vals(v)) for v in node.kwargs.values())
+    nbytes = _nbytes(outs) + sum(_nbytes(tensor_vals(a)) for a in node.args) + sum(
+        _nbytes(tensor_vals(v)) for v in node.kwargs.values())
     formula = flop_registry.get(target.overloadpacket)
     flops: float = float(sum(t.numel() for t in outs))
     if formula is not None:
