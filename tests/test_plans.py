@@ -333,7 +333,13 @@ def test_gpt_trains_like_one_device_with_megatron_and_sequence_parallel_plans(on
     param_grads = sum(w for _, s, w in tp["sp"] if len(s) < 3)
     assert param_grads <= 2 * 4 * (n_norm + CFG.seq * CFG.d_model), param_grads
     if shape == (2, 2):
-        assert {a for name in res for a, *_ in res[name]} == {"dp", "tp"}
+        # The norms' gradients under SP are pending over both axes (the batch over
+        # "dp", the sequence over "tp"): one all-reduce over the whole mesh (NOTE [One
+        # reduction over every mesh axis]), not one per axis.
+        both = {name: Counter((k, numel(s)) for a, k, s, _ in calls if a == ("dp", "tp"))
+                for name, calls in res.items()}
+        assert both == {"megatron": Counter(), "sp": Counter({("all_reduce", n_norm): 1})}, both
+        assert {a for name in res for a, *_ in res[name]} == {"dp", "tp", ("dp", "tp")}
 
 
 def test_torch_parallelize_module_cases(on_ranks):

@@ -39,10 +39,13 @@ from __future__ import annotations
 
 import torch
 
+from torch.distributed.tensor import DTensor, Replicate
+
 from sharded import _torch
 from sharded.modes._expand import SPECIAL_OPS
 
 aten = torch.ops.aten
+_F = _torch.c10d_functional
 
 LINEAR_IN_PARTIAL = frozenset({
     aten.view, aten._unsafe_view, aten.reshape, aten.t, aten.transpose, aten.permute,
@@ -105,3 +108,77 @@ def reduce_where_produced(node, reduce_dtype=None) -> bool:
         and u.target not in SPECIAL_OPS and u.target.overloadpacket not in LINEAR_IN_PARTIAL
         and not casts_to(u.target, src, u.kwargs, reduce_dtype)
         for u in node.users)
+
+
+def travels(target, args, kwargs, dts, partial, reduce_dtype=None) -> bool:
+    """May the pending sums ``partial`` (of the op's DTensor operands ``dts``) stay
+    pending through ``target`` (NOTE [Where a pending reduction may travel])? Both
+    modes ask this, so that the same layouts give the same program."""
+    if is_masked(partial):
+        return False
+    if len(partial) > 1 and target.overloadpacket is aten.mul \
+            and any(sum(map(_torch.is_partial, a.placements)) > 1 for a in partial):
+        # a product of two pending sums is no sum of products: both reduced first (by
+        # the policy: one all-reduce over every axis they are pending on, where DTensor
+        # reduces one axis after the other)
+        return False
+    if target is _EMBEDDING_BACKWARD:
+        return len(partial) == 1 and partial[0] is args[0] and _table_no_larger(args)
+    return linear_in_partial(target, len(partial), len(dts), src=partial[0],
+                             kwargs=kwargs, reduce_dtype=reduce_dtype)
+
+
+# NOTE [A pending sum through an embedding's backward]
+# embedding_dense_backward(grad, ids, rows, ...) is linear in ``grad``: a pending sum
+# may be reduced before it or after it, on the table's gradient. After it, where that
+# is no larger (a position table looked up by positions: grad and table both
+# [seq, d]), the table's gradient is reduced once, to its parameter's layout, as FSDP
+# reduces the gradient it computed on its own examples. Reduced before it, it was
+# reduced twice under "shard": the [seq, d] grad to the state layout of its shape (a
+# reduce-scatter), and the table's gradient again. With replicated state, reduced
+# before it, its all-reduce came after the other gradients' bucket had been read
+# (by this very backward), and went out alone (DTensorExpandMode, before both modes
+# shared this rule). Where the table is larger (a vocabulary under a tensor-parallel
+# pending sum), the grad is reduced first. Not with scale_grad_by_freq, whose counts
+# are of this rank's ids.
+_EMBEDDING_BACKWARD = aten.embedding_dense_backward.default
+
+
+def _table_no_larger(args) -> bool:
+    grad, rows, by_freq = args[0], args[2], args[4]
+    return not by_freq and rows * grad.shape[-1] <= grad.numel()
+
+
+def reduced_by_readers(node, value, reduce_dtype=None) -> bool:
+    """Should the pending sum ``value`` made by ``node`` be reduced where it is made
+    (``reduce_where_produced``), unless its one reader is an embedding's backward
+    that carries it (NOTE [A pending sum through an embedding's backward])?"""
+    if not reduce_where_produced(node, reduce_dtype):
+        return False
+    return not all(u.target is _EMBEDDING_BACKWARD and u.args[0] is node and len(node.users) == 1
+                   and _table_no_larger((value, *u.args[1:])) for u in node.users)
+
+
+def pending_divisor(target, args) -> bool:
+    """Is this a division by a pending sum (a mean loss's count of targets)? It is
+    reduced before the division, and the pending numerator travels through it (a
+    division is linear in its numerator, not in its divisor); DTensor's plan for a sum
+    over a count, both pending, reduced the count one mesh axis after the other."""
+    return (target.overloadpacket is aten.div and len(args) > 1
+            and isinstance(args[1], DTensor) and any(map(_torch.is_partial, args[1].placements)))
+
+
+def reduce_to(ex, a, placements):
+    """``a`` (a DTensor) redistributed by the expander ``ex`` to ``placements``; a pending
+    sum over every axis of the mesh, made replicated, in one all-reduce over the mesh's
+    group, not one per axis (NOTE [One reduction over every mesh axis] in _torch.py).
+    Both modes reduce through here, so that the same layouts give the same program."""
+    placements = tuple(placements)
+    if len(placements) > 1 and all(isinstance(p, Replicate) for p in placements) and all(
+            _torch.is_plain_partial(p) and p.reduce_op == "sum" for p in a.placements):
+        group = _torch.mesh_group(ex.mesh.device_mesh)
+        if group is not None:
+            local = _torch.local_tensor(a).contiguous()
+            out = _F.wait_tensor.default(_F.all_reduce.default(local, "sum", group))
+            return ex.globals_of([out], [placements], [a.shape])[0]
+    return ex.redistribute(a, placements)

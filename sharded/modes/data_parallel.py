@@ -56,14 +56,13 @@ from sharded import _torch, precision
 from sharded.modes._expand import RNG_OP, SPECIAL_OPS, LayoutPolicy, expand
 from sharded.modes._runner import check_compile
 from sharded.modes.base import CLEANUP, EARLY_REDUCTIONS, REINPLACE, ParallelMode, Partitioned, Pass
-from sharded.modes._pending import is_masked, linear_in_partial, reduce_where_produced
+from sharded.modes._pending import pending_divisor, reduce_to, reduced_by_readers, travels
 from sharded.passes import (DEFAULT_BUCKET_BYTES, bound_reduce_scatters, bucket_all_gathers,
                             bucket_all_reduces, bucket_reduce_scatters, defer_chained_reductions,
                             hoist_chained_reductions, prefetch_all_gathers, regather_distant_uses,
                             sink_waits)
 from sharded.spec import from_placements, reduced, to_placements
 
-_F = _torch.c10d_functional
 
 _SHARDINGS = ("replicate", "shard")
 _EXPAND = torch.ops.aten.expand.default
@@ -453,11 +452,9 @@ class _DataParallelPolicy(LayoutPolicy):
 
     # -- hooks -------------------------------------------------------------------------------
     def before_op(self, ex, node, target, args, kwargs):
-        if target.overloadpacket is torch.ops.aten.div and len(args) > 1 \
-                and isinstance(args[1], DTensor) and _has_partial(args[1]):
-            # a pending divisor (a mean loss's count of targets) is reduced, the
-            # pending numerator travels (NOTE [HSDP]: over both data axes, one
-            # all-reduce, where DTensor reduced one axis after the other)
+        if pending_divisor(target, args):
+            # reduced first, the pending numerator travels (NOTE [HSDP]: over both
+            # data axes, one all-reduce, where DTensor reduced one axis after the other)
             args = (args[0], self._reduce(ex, args[1], (Replicate(),) * len(args[1].placements)),
                     *args[2:])
         batch_vals = {id(ex.env[a]): a for a in node.all_input_nodes if self.is_batch(ex, a)}
@@ -465,7 +462,8 @@ class _DataParallelPolicy(LayoutPolicy):
         batch_args = {}       # id of the local tensor the op gets -> the batch input node
         dts = [a for a in _tensors((args, kwargs)) if isinstance(a, DTensor)]
         partial = [a for a in dts if _has_partial(a)]
-        travels = bool(partial) and _travels(target, args, kwargs, dts, partial, self.mode.reduce_dtype)
+        pending_travels = bool(partial) and travels(target, args, kwargs, dts, partial,
+                                                    self.mode.reduce_dtype)
         meets_state = any(_is_split(self._dp(a)) and id(a) not in batch_vals
                           and not _has_partial(a) for a in dts)
 
@@ -473,7 +471,7 @@ class _DataParallelPolicy(LayoutPolicy):
             if not isinstance(a, DTensor):
                 return a
             source = batch_vals.get(id(a))
-            if _has_partial(a) and not travels:
+            if _has_partial(a) and not pending_travels:
                 # reduced where its consumer needs it: onto the layout of the state it
                 # meets (the shards the optimizer runs on), else replicated
                 if meets_state and not batch_vals:
@@ -515,7 +513,7 @@ class _DataParallelPolicy(LayoutPolicy):
             elif node.target is _EXPAND and isinstance(result, DTensor):
                 result = self._split_broadcast(ex, node, result)
         if isinstance(result, DTensor) and _has_partial(result) \
-                and _reduced_by_readers(node, result, self.mode.reduce_dtype):
+                and reduced_by_readers(node, result, self.mode.reduce_dtype):
             # reduced once, where produced (NOTE [Batch-dim analysis]), to the layout
             # of the state its readers combine it with; a getitem too (NOTE [An
             # element of a multi-output op's result])
@@ -601,15 +599,8 @@ class _DataParallelPolicy(LayoutPolicy):
         pending = [i for i, p in enumerate(pls) if (i in self.dps or others) and _torch.is_partial(p)]
         for i in pending:
             pls[i] = target[i]
-        if len(pending) == len(pls) > 1 and all(
-                _torch.is_plain_partial(p) and p.reduce_op == "sum" for p in a.placements) \
-                and all(isinstance(p, Replicate) for p in pls):
-            group = _torch.mesh_group(self.mesh.device_mesh)
-            if group is not None:
-                # NOTE [One reduction over every mesh axis]: one all-reduce, not one per axis
-                local = _torch.local_tensor(a).contiguous()
-                out = _F.wait_tensor.default(_F.all_reduce.default(local, "sum", group))
-                return ex.globals_of([out], [tuple(pls)], [a.shape])[0]
+        if len(pending) == len(pls) and all(isinstance(p, Replicate) for p in pls):
+            return reduce_to(ex, a, pls)  # over every mesh axis: one all-reduce where it can
         rep = self.dps[0] if len(self.dps) > 1 else None
         if rep in pending and len(pending) > 1:
             # NOTE [HSDP]: reduced (reduce-scattered) over the other axes first, then
@@ -691,50 +682,6 @@ def _is_split(placement) -> bool:
 
 def _has_partial(x) -> bool:
     return any(_torch.is_partial(p) for p in x.placements)
-
-
-def _travels(target, args, kwargs, dts, partial, reduce_dtype=None) -> bool:
-    """May the pending sums stay pending through this op (NOTE [Where a pending
-    reduction may travel])?"""
-    if is_masked(partial):
-        return False
-    if len(partial) > 1 and target.overloadpacket is torch.ops.aten.mul \
-            and any(sum(map(_torch.is_partial, a.placements)) > 1 for a in partial):
-        # a product of two pending sums is no sum of products: both reduced first (by
-        # the policy: one all-reduce over every axis they are pending on, where DTensor
-        # reduces one axis after the other)
-        return False
-    if target is _EMBEDDING_BACKWARD:
-        return len(partial) == 1 and partial[0] is args[0] and _table_no_larger(args)
-    return linear_in_partial(target, len(partial), len(dts), src=partial[0],
-                             kwargs=kwargs, reduce_dtype=reduce_dtype)
-
-
-# NOTE [A pending sum through an embedding's backward]
-# embedding_dense_backward(grad, ids, rows, ...) is linear in ``grad``: a pending sum
-# may be reduced before it or after it, on the table's gradient. After it, where that
-# is no larger (a position table looked up by positions: grad and table both
-# [seq, d]), the table's gradient is reduced once, to its parameter's layout, as FSDP
-# reduces the gradient it computed on its own examples. Reduced before it, it was
-# reduced twice: the [seq, d] grad to the state layout of its shape (a reduce-scatter),
-# and the table's gradient again. Where the table is larger (a vocabulary under a
-# tensor-parallel pending sum), the grad is reduced first. Not with
-# scale_grad_by_freq, whose counts are of this rank's ids.
-_EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
-
-
-def _table_no_larger(args) -> bool:
-    grad, rows, by_freq = args[0], args[2], args[4]
-    return not by_freq and rows * grad.shape[-1] <= grad.numel()
-
-
-def _reduced_by_readers(node, value, reduce_dtype=None) -> bool:
-    """Would every reader of ``node`` (a pending sum) reduce it (NOTE [Where a pending
-    reduction may travel]), an embedding's backward only where the table is larger?"""
-    if not reduce_where_produced(node, reduce_dtype):
-        return False
-    return not all(u.target is _EMBEDDING_BACKWARD and u.args[0] is node and len(node.users) == 1
-                   and _table_no_larger((value, *u.args[1:])) for u in node.users)
 
 
 def _tensors(tree):

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from sharded import _torch
 from sharded.modes._expand import LayoutPolicy, expand
-from sharded.modes._pending import is_masked, linear_in_partial, reduce_where_produced
+from sharded.modes._pending import pending_divisor, reduce_to, reduced_by_readers, travels
 from sharded.modes._runner import check_compile
 from sharded.modes.base import ParallelMode, Partitioned
 from sharded.spec import reduced
@@ -47,17 +47,20 @@ class PendingSumPolicy(LayoutPolicy):
     """NOTE [Where a pending reduction may travel]."""
 
     def before_op(self, ex, node, target, args, kwargs):
+        if pending_divisor(target, args):
+            args = (args[0], reduce_pending(ex, args[1]), *args[2:])
         dts = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
         partial = [a for a in dts if any(_torch.is_partial(p) for p in a.placements)]
         if not partial:
             return args, kwargs
-        if not is_masked(partial) and linear_in_partial(target, len(partial), len(dts)):
+        if travels(target, args, kwargs, dts, partial):
             return args, kwargs
         return (tuple(reduce_pending(ex, a) for a in args),
                 {k: reduce_pending(ex, v) for k, v in kwargs.items()})
 
     def after_node(self, ex, node, result):
-        if isinstance(result, DTensor) and reduce_where_produced(node):
+        if isinstance(result, DTensor) and any(_torch.is_partial(p) for p in result.placements) \
+                and reduced_by_readers(node, result):
             return reduce_pending(ex, result)
         return result
 
@@ -65,5 +68,5 @@ class PendingSumPolicy(LayoutPolicy):
 def reduce_pending(ex, a):
     """``a`` with its pending reductions done (Partial -> Replicate)."""
     if isinstance(a, DTensor) and any(_torch.is_partial(p) for p in a.placements):
-        return ex.redistribute(a, reduced(a.placements))
+        return reduce_to(ex, a, reduced(a.placements))
     return a

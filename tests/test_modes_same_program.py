@@ -1,0 +1,96 @@
+"""Issue 23: the same layouts give the same program, whichever mode decided them.
+
+DataParallelMode("replicate") chooses replicated state and a batch split over "dp";
+DTensorExpandMode given those layouts as specs must lower the same local program (the
+same ops, in the same order, on the same shapes), so that neither mode's step is
+slower for a reason the other has fixed. Checked in one process on abstract meshes.
+"""
+
+import copy
+
+import optree
+import pytest
+import torch
+
+from benchmarks import _models as M
+from examples import gpt, gpt_module
+from sharded import Mesh, P, optim, pjit
+from sharded.modes import DataParallelMode, DTensorExpandMode
+
+
+def _program(lowered) -> list:
+    """Each local node's kind, target and value shape, in order (names left out)."""
+    out = []
+    for n in lowered.local_graph.graph.nodes:
+        v = n.meta.get("val")
+        out.append((n.op, str(n.target), tuple(v.shape) if isinstance(v, torch.Tensor) else None))
+    return out
+
+
+def _module_gpt(update):
+    """examples/gpt_module.py's GPT (learned position table) over its named_parameters()."""
+    cfg = gpt_module.Config(vocab=64, d_model=32, n_heads=2, n_layers=2, seq=8)
+    model = gpt_module.GPT(cfg, seed=0)
+    params = {k: v.detach().to("meta") for k, v in model.named_parameters()}
+    ids = torch.zeros(8, 8, dtype=torch.long, device="meta")
+    return gpt_module.make_train_step(copy.deepcopy(model), update), params, (ids, ids)
+
+
+def _functional_gpt():
+    cfg = gpt.GPTConfig(vocab=64, d_model=32, n_heads=2, n_layers=2, seq=8, sdpa=True)
+    params = optree.tree_map(lambda t: t.to("meta"), gpt.init_params(cfg, 0))
+
+    def step(p, o, x, y):
+        grads, loss = torch.func.grad_and_value(gpt.loss_fn)(p, x, y, cfg)
+        return (*optim.adamw(p, grads, o), loss)
+
+    return step, params, tuple(t.to("meta") for t in gpt.batch(cfg, 8, seed=1))
+
+
+def _mlp():
+    params = optree.tree_map(lambda t: t.to("meta"), M.mlp_init(64, 3))
+    x = torch.empty(8, 64, device="meta")
+    return M.mlp_train_step, params, (x, x)
+
+
+CASES = {
+    "module_gpt_adamw": lambda: _module_gpt(optim.adamw),
+    "module_gpt_per_tensor_adamw": lambda: _module_gpt(M.per_tensor_adamw),
+    "functional_gpt": _functional_gpt,
+    "mlp": _mlp,
+}
+
+
+@pytest.mark.parametrize("case,shape", [(c, (2,)) for c in CASES] + [("module_gpt_adamw", (4,))]
+                         + [(c, (2, 2)) for c in CASES])
+def test_replicated_state_lowers_alike_in_both_modes(case, shape):
+    """A GPT with a learned position table: under DTensorExpandMode the pending sum of
+    the position table's gradient input was reduced before the embedding's backward,
+    after the other gradients' bucket had been read, so its table's gradient went out
+    in an all-reduce of its own (3 all-reduces a step against DataParallelMode's 2).
+    Both modes now ask one policy where a pending sum is reduced
+    (sharded/modes/_pending.py).
+
+    On a 2x2 mesh with the batch split over both axes (DDP over four ranks), a
+    gradient pending over both axes was reduced one axis after the other, and the
+    reductions over "dp" were not bucketed: 40-odd all-reduces a step. Both modes now
+    reduce a sum pending over every axis in one all-reduce over the mesh's group, the
+    loss's count of targets included."""
+    step, params, batch = CASES[case]()
+    axes = ("dp", "tp")[:len(shape)]
+    mesh = Mesh.abstract(shape, axes)
+    batch_spec = P(axes if len(axes) > 1 else axes[0])
+    specs = dict(in_specs=(P(), P(), batch_spec, batch_spec), out_specs=(P(), P(), P()), mesh=mesh)
+    state = optim.adamw_init(params)
+    by_expand = pjit(step, mode=DTensorExpandMode(), **specs).lower(params, state, *batch)
+    by_dp = pjit(step, mode=DataParallelMode("replicate", axis=axes if len(axes) > 1 else axes[0]),
+                 **specs).lower(params, state, *batch)
+    assert by_dp.in_specs == by_expand.in_specs        # the same layouts ...
+    assert _program(by_expand) == _program(by_dp)      # ... give the same program
+    reductions = [c for c in by_expand.collectives() if c.kind == "all_reduce"]
+    assert all(c.axis == (axes if len(axes) > 1 else axes[0]) for c in reductions), reductions
+    n_params = sum(t.numel() for t in optree.tree_leaves(params))
+    # every gradient in one bucket (with the loss's sum, where it rides along), and
+    # the loss's count of targets apart
+    buckets = [c.shape[0] for c in reductions if c.shape != ()]
+    assert len(buckets) == 1 and n_params <= buckets[0] <= n_params + 1, reductions
