@@ -130,6 +130,13 @@ def test_redistribute_seconds():
     assert two == pytest.approx(cs("all_gather", full // 4, 2) + cs("all_gather", full, 4))
     mixed = rs((Partial(), Shard(1)), (Shard(0), Replicate()), (2, 4))
     assert mixed == pytest.approx(cs("reduce_scatter", full // 4, 2) + cs("all_gather", full // 2, 4))
+    # a sum pending over every axis, made replicated: one all-reduce over the mesh's
+    # group, as the modes lower it (NOTE [One reduction over every mesh axis]); over
+    # two axes of three, one per axis
+    assert rs((Partial(), Partial()), (Replicate(), Replicate()), (2, 4)) == cs("all_reduce", full, 8)
+    assert rs((Partial(),) * 3, (Replicate(),) * 3, (2, 2, 2)) == cs("all_reduce", full, 8)
+    assert rs((Partial(), Partial(), Replicate()), (Replicate(),) * 3, (2, 2, 2)) == pytest.approx(
+        2 * cs("all_reduce", full, 2))
     # lists and tuples alike, answered from the cache
     before = cost._redistribute.cache_info().hits
     assert redistribute_seconds(m, [Shard(0)], [Replicate()], [1024, 512], 4, [8]) == rs(

@@ -3,6 +3,7 @@ layout program]), solved by HiGHS through scipy.optimize.milp."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from sharded import _torch
 from sharded.auto._units import Unit
-from sharded.auto.cost import redistribute_seconds
+from sharded.auto.cost import one_reduction, redistribute_seconds
 
 
 # NOTE [The layout program]
@@ -32,6 +33,16 @@ from sharded.auto.cost import redistribute_seconds
 # gives or needs one layout whatever it chooses is linear in the other side's x.
 # Memory: the bytes per rank of the inputs and the outputs in their chosen layouts
 # (the state the step holds) are at most the budget.
+#
+# NOTE [One move per value and layout]
+# A value read by several ops that need it in one layout is moved once (the expander
+# redistributes a value to a layout once and reuses it): a row-parallel matmul's
+# output, read by the GELU and by its backward, is one all-reduce, not two. Priced per
+# edge, the MLP 8x1024 Megatron plan paid 10 activation all-reduces where its program
+# has 7, and the solver took a plan 13% slower by its own predictor. So the edges of
+# one value are priced together: per pair of layouts (given, needed) one continuous
+# m >= each reader's indicator of that move (its y, or its x where one side's layout
+# is fixed), at the dearest reader's price.
 # Ties: an AUTO output with an AUTO input of the same path, shape and dtype (the
 # parameters a step returns) takes that input's layout: a train loop then feeds each
 # step's outputs to the next with no redistribution.
@@ -71,13 +82,16 @@ class Infeasible(Exception):
 # all-reduces are a few collectives. Without this the solver would gather a small
 # batch to every rank (a few latencies) rather than reduce every gradient (a latency
 # each, as it would count them). A reduction read before then (a row-parallel
-# matmul's output, read by the next op), or over two axes at once (two all-reduces,
-# which the bucketing pass leaves apart), pays its latency.
+# matmul's output, read by the next op), or over two axes of three (two all-reduces,
+# which the bucketing pass leaves apart), pays its latency. A sum over every axis of the
+# mesh is one all-reduce over the mesh's group (NOTE [Redistribution cost]), bucketed.
 
 def _bucketed_latency(model, p, q, mesh_shape) -> float:
     """The latency to take off the move p -> q: an all-reduce over one axis, and no
-    other change (a sum over two axes is two all-reduces, which the passes do not
-    bucket)."""
+    other change, or over every axis of the mesh at once (a sum over some axes of
+    several is one all-reduce per axis, which the passes do not bucket)."""
+    if one_reduction(p, q, mesh_shape):
+        return model.collective_seconds("all_reduce", 0, math.prod(mesh_shape))
     changed = [(size, a, b) for size, a, b in zip(mesh_shape, p, q) if a != b and size > 1]
     if len(changed) == 1 and changed[0][1].is_partial() and changed[0][2].is_replicate():
         return model.collective_seconds("all_reduce", 0, changed[0][0])
@@ -138,47 +152,70 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
         hi.append(1.0)
         r += 1
     ny = 0
+    # per value read (producer unit, output) and pair of layouts (given, needed): each
+    # reader's term, an expression over x or y that is 1 where that move is made, and
+    # its cost (NOTE [One move per value and layout])
+    moves: dict = {}
     for n, j, u, cm in edges:
         if not cm.any():
             continue
-        ku, kn = cm.shape
-        if ku == 1:                       # the producer is fixed: linear in the reader
-            c[offset[n]:offset[n] + kn] += cm[0]
-            continue
-        if kn == 1:                       # the reader is fixed: linear in the producer
-            c[offset[u]:offset[u] + ku] += cm[:, 0]
-            continue
+        o = units[n].inputs[j][1]
         # group the producer's strategies by the layout they give this value, the
         # reader's by the layout they need it in (NOTE [The layout program])
-        gp = _groups(units[u].strategies, lambda st: st[0][units[n].inputs[j][1]])
-        gq = _groups(units[n].strategies, lambda st: st[1][j])
-        if len(gp) == 1 or len(gq) == 1:
-            # one side's layout is the same whatever it chooses: linear in the other
-            if len(gp) == 1:
-                for ks in gq:
-                    c[[offset[n] + s for s in ks]] += cm[0, ks[0]]
-            else:
-                for ks in gp:
-                    c[[offset[u] + k for k in ks]] += cm[ks[0], 0]
+        gp = _keyed_groups(units[u].strategies, lambda st: st[0][o])
+        gq = _keyed_groups(units[n].strategies, lambda st: st[1][j])
+        if len(gp) > 1 and len(gq) > 1:
+            base = nx + ny
+            ny += len(gp) * len(gq)
+            y_cost += [0.0] * (len(gp) * len(gq))
+            width = len(gq)
+            # sum_q y[p, q] = sum of x[u, k] over the k that give p, and
+            # sum_p y[p, q] = sum of x[n, s] over the s that need q
+            marginals = [([base + a * width + b for b in range(width)], offset[u], ks)
+                         for a, (_, ks) in enumerate(gp)]
+            marginals += [([base + a * width + b for a in range(len(gp))], offset[n], ss)
+                          for b, (_, ss) in enumerate(gq)]
+            for ys, at, xs in marginals:
+                rows += [r] * (len(ys) + len(xs))
+                cols += ys + [at + k for k in xs]
+                vals += [1.0] * len(ys) + [-1.0] * len(xs)
+                lo.append(0.0)
+                hi.append(0.0)
+                r += 1
+        for a, (pkey, ks) in enumerate(gp):
+            for b, (qkey, ss) in enumerate(gq):
+                cost = float(cm[ks[0], ss[0]])
+                if cost == 0.0:
+                    continue
+                if len(gp) > 1 and len(gq) > 1:
+                    term = (base + a * len(gq) + b,)
+                elif len(gp) > 1:        # the reader needs one layout whatever it chooses
+                    term = tuple(offset[u] + k for k in ks)
+                elif len(gq) > 1:        # the producer gives one layout whatever it chooses
+                    term = tuple(offset[n] + k for k in ss)
+                else:                    # a move made whatever both choose
+                    term = tuple(offset[u] + k for k in range(len(units[u].strategies)))
+                moves.setdefault((u, o, pkey, qkey), []).append((cost, term))
+    for terms in moves.values():
+        if len(terms) == 1:
+            cost, term = terms[0]
+            for col in term:
+                if col < nx:
+                    c[col] += cost
+                else:
+                    y_cost[col - nx] += cost
             continue
-        base = nx + ny
-        ny += len(gp) * len(gq)
-        for a, ks in enumerate(gp):
-            for b, ss in enumerate(gq):
-                y_cost.append(float(cm[ks[0], ss[0]]))
-        width = len(gq)
-        # sum_q y[p, q] = sum of x[u, k] over the k that give p, and
-        # sum_p y[p, q] = sum of x[n, s] over the s that need q
-        marginals = [([base + a * width + b for b in range(width)], offset[u], ks)
-                     for a, ks in enumerate(gp)]
-        marginals += [([base + a * width + b for a in range(len(gp))], offset[n], ss)
-                      for b, ss in enumerate(gq)]
-        for ys, at, xs in marginals:
-            rows += [r] * (len(ys) + len(xs))
-            cols += ys + [at + k for k in xs]
-            vals += [1.0] * len(ys) + [-1.0] * len(xs)
+        # several readers need the value in one layout: one move, made once; m >= each
+        # reader's term, at the dearest reader's price (one read early pays latency)
+        m = nx + ny
+        ny += 1
+        y_cost.append(max(cost for cost, _ in terms))
+        for _, term in terms:
+            rows += [r] * (1 + len(term))
+            cols += [m, *term]
+            vals += [1.0] + [-1.0] * len(term)
             lo.append(0.0)
-            hi.append(0.0)
+            hi.append(np.inf)
             r += 1
     for a, b, pairs in ties:
         # x[a, ka] == x[b, kb] for each agreeing pair; others of b are 0 where a has no pair
@@ -263,12 +300,12 @@ def _within_budget(run, cost, mem, budget_mib, x0):
     return best
 
 
-def _groups(strategies, key) -> list[list[int]]:
-    """Strategy indices grouped by ``key`` (in order of first appearance)."""
+def _keyed_groups(strategies, key) -> list[tuple]:
+    """``(key, strategy indices)`` per value of ``key`` (in order of first appearance)."""
     out: dict = {}
     for k, st in enumerate(strategies):
         out.setdefault(key(st), []).append(k)
-    return list(out.values())
+    return list(out.items())
 
 
 def smallest_memory(memory: list) -> int:

@@ -693,8 +693,10 @@ def redistribute_seconds(model: CostModel, src: Sequence, dst: Sequence, shape: 
 # unscattered block), Shard(i) -> Shard(j) an all-to-all, Shard -> Partial an
 # all-gather (the block is then replicated, and replicated is a valid partial), a
 # Partial of another reduction an all-reduce; Replicate -> Shard or Partial, and no
-# change, cost nothing. A _StridedShard is a Shard of its dim. DTensor's own planner
-# may order the steps otherwise; the price is the solver's edge weight, not a plan.
+# change, cost nothing. A _StridedShard is a Shard of its dim. A sum pending over every
+# axis of the mesh, made replicated, is one all-reduce over the mesh's group (as the
+# modes lower it: NOTE [One reduction over every mesh axis] in _torch.py). DTensor's own
+# planner may order the steps otherwise; the price is the solver's edge weight, not a plan.
 def _norm(p) -> tuple:
     if _torch.split_factor(p) is not None or p.is_shard():
         return ("S", p.dim)
@@ -716,6 +718,14 @@ def _local_bytes(shape: tuple, itemsize: int, placements: list, mesh_shape: tupl
     return math.prod(dims) * itemsize
 
 
+def one_reduction(src: Sequence, dst: Sequence, mesh_shape: Sequence[int]) -> bool:
+    """Is ``src`` -> ``dst`` (DTensor placements, one per mesh axis) a sum pending over
+    every axis of a mesh of two or more axes, made replicated: one all-reduce over the
+    mesh's group?"""
+    return (sum(n > 1 for n in mesh_shape) > 1 and all(_norm(p) == ("P", "sum") for p in src)
+            and all(_norm(q) == ("R",) for q in dst))
+
+
 @functools.lru_cache(maxsize=1 << 17)
 def _redistribute(model: CostModel, src: tuple, dst: tuple, shape: tuple, itemsize: int,
                   mesh_shape: tuple) -> float:
@@ -725,6 +735,9 @@ def _redistribute(model: CostModel, src: tuple, dst: tuple, shape: tuple, itemsi
             f"axis ({len(mesh_shape)}: mesh shape {mesh_shape}).")
     cur = [_norm(p) for p in src]
     want = [_norm(p) for p in dst]
+    if one_reduction(src, dst, mesh_shape):
+        return model.collective_seconds("all_reduce", _local_bytes(shape, itemsize, cur, mesh_shape),
+                                        math.prod(mesh_shape))
     total = 0.0
     for i, n in enumerate(mesh_shape):
         a, b = cur[i], want[i]
