@@ -1174,3 +1174,19 @@ def probe_op(op, args, kwargs, device_mesh):
             return None
     return outs, tuple(tuple(w.placements) for w in wanted)
 
+
+
+# NOTE [Expansion without torch-function metadata]
+# make_fx keeps a torch-function mode active for the whole trace only to note, on each
+# node, the torch function that was running when the node was made
+# (``node.meta["torch_fn"]``, for provenance in torch.export). Nothing in this project
+# reads it, and the expansion pays for it on every torch-level call the expander and
+# DTensor make (an op overload call, a DTensor method, ...): tens of thousands per
+# GPT-2-small step. The recorded ops, their order and their values are the same
+# without it.
+def make_fx_fake_lean(fn):
+    """``make_fx(fn, tracing_mode="fake")`` without the torch-function mode that only
+    records ``node.meta["torch_fn"]`` (NOTE [Expansion without torch-function metadata])."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="fake", _disable_torch_fn_metadata_mode=True)

@@ -27,7 +27,6 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from sharded import _region, _registry, _torch, rules  # noqa: F401  (rules registers the project's shardings)
 from sharded.api import CONSTRAINT_OP, constraint_spec
@@ -91,7 +90,7 @@ def expand(graph: fx.GraphModule, in_placements: Sequence[tuple], out_specs: Seq
         return result
 
     with _torch.dtensor_caches_while_tracing():
-        local = make_fx(run_local, tracing_mode="fake")(*local_inputs)
+        local = _torch.make_fx_fake_lean(run_local)(*local_inputs)
     # each input keeps its pytree path (passes read it: NOTE [Bucketing] units)
     for g, loc in zip(graph.graph.find_nodes(op="placeholder"), local.graph.find_nodes(op="placeholder")):
         if "sharded_path" in g.meta:
@@ -229,6 +228,10 @@ class Expander(fx.Interpreter):
 #   redistributed copy stays right for every later reader.
 # - Redistributes skip the autograd Function around them (nothing here needs a
 #   gradient; ``_torch.redistribute_untracked``).
+# - make_fx runs without its torch-function mode (``_torch.make_fx_fake_lean``), which
+#   only notes on each node the torch function that made it (``meta["torch_fn"]``,
+#   read by nothing here) and costs every torch-level call the expander and DTensor
+#   make (17k on the GPT-2-small step on 16x4: ~2-3 us each).
 # The local programs are the same as without these (the benchmark's GPT-2-small step
 # on a 16x4 mesh, both modes, compared node for node).
 
