@@ -35,6 +35,7 @@ from sharded.random.rewrite import RNG_OP, sample
 from sharded.spec import block, check_spec, from_placements, local_shape, reduced, to_placements
 
 _NO_RULE = "does not have a sharding strategy registered"
+_F = _torch.c10d_functional
 
 
 class LayoutPolicy:
@@ -183,9 +184,26 @@ class Expander(fx.Interpreter):
         done = self._redistributed.get(key)
         if done is not None and done[0] is x:
             return done[1]
-        y = _torch.redistribute_untracked(x, placements)
+        y = self._reduced_over_mesh(x, placements)
+        if y is None:
+            y = _torch.redistribute_untracked(x, placements)
         self._redistributed[key] = (x, y)
         return y
+
+    def _reduced_over_mesh(self, x: DTensor, placements: tuple) -> DTensor | None:
+        """``x``, a sum pending over every axis of the mesh, made replicated in one
+        all-reduce over the mesh's group, not one per axis (NOTE [One reduction over
+        every mesh axis] in _torch.py); None for any other move. Every redistribute of
+        every mode comes here, so the same layouts give the same program."""
+        if len(placements) < 2 or not all(isinstance(p, Replicate) for p in placements) \
+                or not all(_torch.is_plain_partial(p) and p.reduce_op == "sum" for p in x.placements):
+            return None
+        group = _torch.mesh_group(self.mesh.device_mesh)
+        if group is None:
+            return None
+        local = _torch.local_tensor(x).contiguous()
+        out = _F.wait_tensor.default(_F.all_reduce.default(local, "sum", group))
+        return self.globals_of([out], [placements], [x.shape])[0]
 
     def locals_of(self, xs, placements) -> list:
         """This rank's shards of ``xs`` laid out as ``placements``."""

@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import torch
 
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from sharded import _torch
 from sharded.modes._expand import SPECIAL_OPS
 
 aten = torch.ops.aten
-_F = _torch.c10d_functional
 
 LINEAR_IN_PARTIAL = frozenset({
     aten.view, aten._unsafe_view, aten.reshape, aten.t, aten.transpose, aten.permute,
@@ -166,19 +165,3 @@ def pending_divisor(target, args) -> bool:
     over a count, both pending, reduced the count one mesh axis after the other."""
     return (target.overloadpacket is aten.div and len(args) > 1
             and isinstance(args[1], DTensor) and any(map(_torch.is_partial, args[1].placements)))
-
-
-def reduce_to(ex, a, placements):
-    """``a`` (a DTensor) redistributed by the expander ``ex`` to ``placements``; a pending
-    sum over every axis of the mesh, made replicated, in one all-reduce over the mesh's
-    group, not one per axis (NOTE [One reduction over every mesh axis] in _torch.py).
-    Both modes reduce through here, so that the same layouts give the same program."""
-    placements = tuple(placements)
-    if len(placements) > 1 and all(isinstance(p, Replicate) for p in placements) and all(
-            _torch.is_plain_partial(p) and p.reduce_op == "sum" for p in a.placements):
-        group = _torch.mesh_group(ex.mesh.device_mesh)
-        if group is not None:
-            local = _torch.local_tensor(a).contiguous()
-            out = _F.wait_tensor.default(_F.all_reduce.default(local, "sum", group))
-            return ex.globals_of([out], [placements], [a.shape])[0]
-    return ex.redistribute(a, placements)

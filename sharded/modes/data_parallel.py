@@ -56,7 +56,7 @@ from sharded import _torch, precision
 from sharded.modes._expand import RNG_OP, SPECIAL_OPS, LayoutPolicy, expand
 from sharded.modes._runner import check_compile
 from sharded.modes.base import CLEANUP, EARLY_REDUCTIONS, REINPLACE, ParallelMode, Partitioned, Pass
-from sharded.modes._pending import pending_divisor, reduce_to, reduced_by_readers, travels
+from sharded.modes._pending import pending_divisor, reduced_by_readers, travels
 from sharded.passes import (DEFAULT_BUCKET_BYTES, bound_reduce_scatters, bucket_all_gathers,
                             bucket_all_reduces, bucket_reduce_scatters, defer_chained_reductions,
                             hoist_chained_reductions, prefetch_all_gathers, regather_distant_uses,
@@ -600,7 +600,7 @@ class _DataParallelPolicy(LayoutPolicy):
         for i in pending:
             pls[i] = target[i]
         if len(pending) == len(pls) and all(isinstance(p, Replicate) for p in pls):
-            return reduce_to(ex, a, pls)  # over every mesh axis: one all-reduce where it can
+            return ex.redistribute(a, pls)  # over every mesh axis: one all-reduce where it can
         rep = self.dps[0] if len(self.dps) > 1 else None
         if rep in pending and len(pending) > 1:
             # NOTE [HSDP]: reduced (reduce-scattered) over the other axes first, then

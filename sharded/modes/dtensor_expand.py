@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from sharded import _torch
 from sharded.modes._expand import LayoutPolicy, expand
-from sharded.modes._pending import pending_divisor, reduce_to, reduced_by_readers, travels
+from sharded.modes._pending import pending_divisor, reduced_by_readers, travels
 from sharded.modes._runner import check_compile
 from sharded.modes.base import ParallelMode, Partitioned
 from sharded.spec import reduced
@@ -68,5 +68,5 @@ class PendingSumPolicy(LayoutPolicy):
 def reduce_pending(ex, a):
     """``a`` with its pending reductions done (Partial -> Replicate)."""
     if isinstance(a, DTensor) and any(_torch.is_partial(p) for p in a.placements):
-        return reduce_to(ex, a, reduced(a.placements))
+        return ex.redistribute(a, reduced(a.placements))
     return a
