@@ -26,19 +26,22 @@ def write_result(path: str, result: dict, note: str = "") -> None:
 
 
 def git_rev() -> str:
-    """The repository's revision, ``+dirty`` with uncommitted changes (for results)."""
+    """The repository's revision, ``+dirty`` with uncommitted changes (for results);
+    in a clean export of a commit (no ``.git``), ``BENCH_GIT_REV`` names it."""
     import os
     import subprocess
 
+    if os.environ.get("BENCH_GIT_REV"):
+        return os.environ["BENCH_GIT_REV"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
                              capture_output=True, text=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=root, capture_output=True, text=True).stdout.strip()
-        return rev + ("+dirty" if dirty else "")
     except OSError:
         return "unknown"
+    return rev + ("+dirty" if dirty else "") if rev else "unknown"
 
 
 class GPTModule(nn.Module):

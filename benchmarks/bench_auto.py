@@ -525,7 +525,7 @@ def main(argv=None):
         "benchmark": "auto",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__,
-        "git": os.environ.get("BENCH_GIT_REV") or git_rev(),
+        "git": git_rev(),
         "cpu_count": os.cpu_count(),
         "config": a,
         "plans": PLANS,
