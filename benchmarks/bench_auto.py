@@ -20,7 +20,7 @@ Plans (``PLANS``), on 2 ranks (``ws2``) and on 4 ranks as ("dp", "tp") = 2x2:
 
   auto       ``in_specs=(AUTO, AUTO, AUTO, AUTO)``, ``out_specs=(AUTO, AUTO, P())``:
              the solver lays out the batch too, as the hand plans each choose theirs
-             (megatron replicates it, ddp splits it); the state comes out as it went
+             (megatron at ws2 replicates it, ddp splits it); the state comes out as it went
              in; ws2: Mesh((2,), ("dp",)); 2x2: Mesh((2, 2), ("dp", "tp"))
   auto_dp    ``auto`` with the batch fixed to P("dp") (2x2: replicated over "tp"), the
              issue's example, the AUTO row before 2026-11-27; not a hand plan (AUTO /
@@ -252,7 +252,7 @@ def _run_model(a: dict, layout: str, name: str) -> dict:
         out["cost"][plan] = {k: v["count"] for k, v in c.items() if k != "total"}
         out["cost"][plan]["bytes"] = c["total"]["bytes"]
         out["cost"][plan]["local_nodes"] = len(low.local_graph.graph.nodes)
-        out.setdefault("program", {})[plan] = program_id(low.local_graph)
+        out.setdefault("program", {})[plan] = program_id(low)
 
         def step(f=f, st=st, args=args):
             st["p"], st["o"], st["loss"] = f(st["p"], st["o"], *args)
@@ -272,17 +272,20 @@ def _run_model(a: dict, layout: str, name: str) -> dict:
     return out
 
 
-def program_id(gm) -> str:
+def program_id(lowered) -> str:
     """A digest of the program a rank runs: each node's kind, target, value shape and
-    the positions of its inputs, in order (not names or group names: the same DDP
-    program on a (4,) and on a 2x2 mesh is one program). Plans with one program have
-    one cost and can be ranked only by noise (NOTE [Ranking distinct programs])."""
+    dtype and the positions of its inputs, in order, and each collective's kind, shape
+    and group size (not names or group names: the same DDP program on a (4,) and on a
+    2x2 mesh is one program). Plans with one program have one cost and can be ranked
+    only by noise (NOTE [Ranking distinct programs])."""
     pos, sig = {}, []
-    for i, n in enumerate(gm.graph.nodes):
+    for i, n in enumerate(lowered.local_graph.graph.nodes):
         pos[n] = i
         v = n.meta.get("val")
-        sig.append((n.op, str(n.target), tuple(v.shape) if isinstance(v, torch.Tensor) else None,
+        sig.append((n.op, str(n.target),
+                    (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else None,
                     tuple(pos[a] for a in n.all_input_nodes)))
+    sig.append(tuple((c.kind, tuple(c.shape), c.group_size) for c in lowered.collectives()))
     return hashlib.sha1(repr(sig).encode()).hexdigest()[:12]
 
 

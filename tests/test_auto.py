@@ -562,3 +562,31 @@ def test_a_value_two_ops_read_in_one_layout_is_priced_as_one_move():
                                            torch.empty(512, 128))
     assert len(lowered.collectives()) == 1, lowered.collectives()
     assert lowered.auto["moves_s"] == pytest.approx(predict(lowered, model)["comm_s"], rel=1e-6)
+
+
+def test_a_shared_move_is_priced_at_the_dearest_reader_that_needs_it():
+    """NOTE [One move per value and layout]: a value two ops may read in one layout,
+    at different prices (a reduction read early pays its latency, one read in the
+    step's tail does not), costs the dearest price among the readers that need it, not
+    among all that could: here the dear reader can take another layout for free, and
+    the move is left to the cheap one (priced at the dearest of all, the solver
+    charged 2)."""
+    import numpy as np
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from sharded.auto._solve import solve
+    from sharded.auto._units import Unit
+
+    pending, whole, split = (Partial(),), (Replicate(),), (Shard(0),)
+    units = [Unit(None, "op", [((pending,), ())], compute=[0.0]),           # the producer
+             Unit(None, "op", [((whole,), (whole,)), ((split,), (split,))], inputs=[(0, 0)],
+                  compute=[0.0, 0.0]),                                       # may take either
+             Unit(None, "op", [((whole,), (whole,))], inputs=[(0, 0)], compute=[0.0])]
+    edges = [(1, 0, 0, np.array([[2.0, 0.0]])),      # whole: 2 (read early), split: free
+             (2, 0, 0, np.array([[1.0]]))]           # whole: 1 (read in the tail)
+    sol = solve(units, edges, [], None, [])
+    assert sol.choice[1] == 1 and sol.moves_s == pytest.approx(1.0), sol
+    # both need it whole: one move, at the dearer price
+    edges[0] = (1, 0, 0, np.array([[2.0, 5.0]]))
+    sol = solve(units, edges, [], None, [])
+    assert sol.choice[1] == 0 and sol.moves_s == pytest.approx(2.0), sol

@@ -19,11 +19,17 @@ from sharded.modes import DataParallelMode, DTensorExpandMode
 
 
 def _program(lowered) -> list:
-    """Each local node's kind, target and value shape, in order (names left out)."""
+    """Each local node's kind, target, value shape and dtype, and its arguments (a node
+    as its position, anything else as it is: the process group's name, a reduce op, a
+    scalar), in order; node names left out."""
+    pos: dict = {}
     out = []
-    for n in lowered.local_graph.graph.nodes:
+    for i, n in enumerate(lowered.local_graph.graph.nodes):
+        pos[n] = i
         v = n.meta.get("val")
-        out.append((n.op, str(n.target), tuple(v.shape) if isinstance(v, torch.Tensor) else None))
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: ("node", pos[a]))
+        out.append((n.op, str(n.target), repr(args),
+                    (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None))
     return out
 
 
@@ -94,3 +100,24 @@ def test_replicated_state_lowers_alike_in_both_modes(case, shape):
     # the loss's count of targets apart
     buckets = [c.shape[0] for c in reductions if c.shape != ()]
     assert len(buckets) == 1 and n_params <= buckets[0] <= n_params + 1, reductions
+
+
+def test_a_sum_pending_over_every_axis_is_one_all_reduce_where_an_op_needs_it():
+    """A sum pending over both axes of a 2x2 mesh, read by an op that is not linear in
+    it (a number added, a floor division), is reduced by the policy in one all-reduce
+    over the mesh: the policy took `x.sum(0) + 1` for linear (the number is no DTensor
+    operand), and DTensor reduced it inside the add, one axis after the other. A
+    scaling stays linear; a pending divisor is reduced apart from its numerator."""
+    mesh = Mesh.abstract((2, 2), ("dp", "tp"))
+    cases = {
+        "plus a number": (lambda x: x.sum(0) + 1, 1),
+        "a number minus": (lambda x: 1 - x.sum(0), 1),
+        "floor division": (lambda x: torch.div(x.sum(0), 3, rounding_mode="floor"), 1),
+        "scaled": (lambda x: x.sum(0) * 3, 1),
+        "over a pending divisor": (lambda x: x.sum(0) / ((x * x).sum(0) + 1), 2),
+    }
+    for name, (f, n) in cases.items():
+        lowered = pjit(f, in_specs=P(("dp", "tp")), out_specs=P(), mesh=mesh,
+                       mode=DTensorExpandMode()).lower(torch.empty(8, 4))
+        got = [(c.kind, c.axis) for c in lowered.collectives()]
+        assert got == [("all_reduce", ("dp", "tp"))] * n, (name, got)

@@ -40,9 +40,10 @@ from sharded.auto.cost import one_reduction, redistribute_seconds
 # output, read by the GELU and by its backward, is one all-reduce, not two. Priced per
 # edge, the MLP 8x1024 Megatron plan paid 10 activation all-reduces where its program
 # has 7, and the solver took a plan 13% slower by its own predictor. So the edges of
-# one value are priced together: per pair of layouts (given, needed) one continuous
+# one value are priced together: per pair of layouts (given, needed), continuous
 # m >= each reader's indicator of that move (its y, or its x where one side's layout
-# is fixed), at the dearest reader's price.
+# is fixed), at the dearest price among the readers that need it (readers' prices
+# differ by the tail's latency discount: a staircase of one m per distinct price).
 # Ties: an AUTO output with an AUTO input of the same path, shape and dtype (the
 # parameters a step returns) takes that input's layout: a train loop then feeds each
 # step's outputs to the next with no redistribution.
@@ -205,18 +206,27 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
                 else:
                     y_cost[col - nx] += cost
             continue
-        # several readers need the value in one layout: one move, made once; m >= each
-        # reader's term, at the dearest reader's price (one read early pays latency)
-        m = nx + ny
-        ny += 1
-        y_cost.append(max(cost for cost, _ in terms))
-        for _, term in terms:
-            rows += [r] * (1 + len(term))
-            cols += [m, *term]
-            vals += [1.0] + [-1.0] * len(term)
-            lo.append(0.0)
-            hi.append(np.inf)
-            r += 1
+        # several readers may need the value in one layout: one move, made once, at
+        # the dearest price among the readers that need it (a reduction read early
+        # pays its latency, one read in the tail does not). A staircase: per distinct
+        # price c_i (ascending), m_i >= the term of each reader priced c_i or more, at
+        # c_i - c_(i-1); the sum of the m_i is the dearest needing reader's price
+        prices = sorted({cost for cost, _ in terms})
+        below = 0.0
+        for price in prices:
+            m = nx + ny
+            ny += 1
+            y_cost.append(price - below)
+            below = price
+            for cost, term in terms:
+                if cost < price:
+                    continue
+                rows += [r] * (1 + len(term))
+                cols += [m, *term]
+                vals += [1.0] + [-1.0] * len(term)
+                lo.append(0.0)
+                hi.append(np.inf)
+                r += 1
     for a, b, pairs in ties:
         # x[a, ka] == x[b, kb] for each agreeing pair; others of b are 0 where a has no pair
         for ka, kb in pairs:

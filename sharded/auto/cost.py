@@ -722,7 +722,8 @@ def one_reduction(src: Sequence, dst: Sequence, mesh_shape: Sequence[int]) -> bo
     """Is ``src`` -> ``dst`` (DTensor placements, one per mesh axis) a sum pending over
     every axis of a mesh of two or more axes, made replicated: one all-reduce over the
     mesh's group?"""
-    return (sum(n > 1 for n in mesh_shape) > 1 and all(_norm(p) == ("P", "sum") for p in src)
+    return (sum(n > 1 for n in mesh_shape) > 1
+            and all(_torch.is_plain_partial(p) and p.reduce_op == "sum" for p in src)
             and all(_norm(q) == ("R",) for q in dst))
 
 

@@ -123,6 +123,13 @@ def travels(target, args, kwargs, dts, partial, reduce_dtype=None) -> bool:
         return False
     if target is _EMBEDDING_BACKWARD:
         return len(partial) == 1 and partial[0] is args[0] and _table_no_larger(args)
+    if target.overloadpacket in ADDITIVE and not all(isinstance(a, DTensor) for a in args[:2]):
+        # a sum plus a number is not the sum of each part plus it: reduced here, by
+        # the policy (one all-reduce over every axis it is pending on, where DTensor
+        # would reduce one axis after the other)
+        return False
+    if kwargs.get("rounding_mode") is not None:
+        return False                 # the floor of a sum is not the sum of the floors
     return linear_in_partial(target, len(partial), len(dts), src=partial[0],
                              kwargs=kwargs, reduce_dtype=reduce_dtype)
 

@@ -453,8 +453,9 @@ class _DataParallelPolicy(LayoutPolicy):
     # -- hooks -------------------------------------------------------------------------------
     def before_op(self, ex, node, target, args, kwargs):
         if pending_divisor(target, args):
-            # reduced first, the pending numerator travels (NOTE [HSDP]: over both
-            # data axes, one all-reduce, where DTensor reduced one axis after the other)
+            # reduced first, the pending numerator travels (NOTE [HSDP]: pending over
+            # every mesh axis, one all-reduce, where DTensor reduced one axis after the
+            # other)
             args = (args[0], self._reduce(ex, args[1], (Replicate(),) * len(args[1].placements)),
                     *args[2:])
         batch_vals = {id(ex.env[a]): a for a in node.all_input_nodes if self.is_batch(ex, a)}
