@@ -31,15 +31,19 @@ import functools
 import math
 import re
 
+import numpy as np
 import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from examples import gpt
 from sharded import AUTO, Mesh, P, gather, optim, shard, spec_of
 from sharded import collectives as C
 from sharded import random as srandom
+from sharded.auto._solve import solve
+from sharded.auto._units import Unit
 from sharded.auto.cost import CostModel, predict
 from sharded.modes import DataParallelMode
 from tests import ranks
@@ -571,12 +575,6 @@ def test_a_shared_move_is_priced_at_the_dearest_reader_that_needs_it():
     among all that could: here the dear reader can take another layout for free, and
     the move is left to the cheap one (priced at the dearest of all, the solver
     charged 2)."""
-    import numpy as np
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    from sharded.auto._solve import solve
-    from sharded.auto._units import Unit
-
     pending, whole, split = (Partial(),), (Replicate(),), (Shard(0),)
     units = [Unit(None, "op", [((pending,), ())], compute=[0.0]),           # the producer
              Unit(None, "op", [((whole,), (whole,)), ((split,), (split,))], inputs=[(0, 0)],

@@ -193,8 +193,11 @@ class Expander(fx.Interpreter):
     def _reduced_over_mesh(self, x: DTensor, placements: tuple) -> DTensor | None:
         """``x``, a sum pending over every axis of the mesh, made replicated in one
         all-reduce over the mesh's group, not one per axis (NOTE [One reduction over
-        every mesh axis] in _torch.py); None for any other move. Every redistribute of
-        every mode comes here, so the same layouts give the same program."""
+        every mesh axis] in _torch.py); None for any other move. Every redistribute
+        the expander makes comes here (the modes' policies, sharding constraints,
+        out_specs), so the same layouts give the same program; DTensor's own, inside
+        an op, do not: the policies reduce a pending sum before any op not linear in
+        it."""
         if len(placements) < 2 or not all(isinstance(p, Replicate) for p in placements) \
                 or not all(_torch.is_plain_partial(p) and p.reduce_op == "sum" for p in x.placements):
             return None

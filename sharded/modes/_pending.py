@@ -38,7 +38,6 @@ pending through a float-to-float cast, so the expander only has to allow it.
 from __future__ import annotations
 
 import torch
-
 from torch.distributed.tensor import DTensor
 
 from sharded import _torch
