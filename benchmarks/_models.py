@@ -391,15 +391,27 @@ def least_window_peaks(rows, build) -> tuple[str, dict]:
     return method, peaks
 
 
-def gpt_arguments(ap, *, layers: int = 2, batch: int = 8, seq: int = 64, warmup: int = 3,
-                  iters: int = 20) -> None:
-    """The GPT-shape, world and timing options the train-step benchmarks share."""
+def gpt_shape_arguments(ap, *, layers: int = 2, batch: int = 8, seq: int = 64) -> None:
+    """The GPT-shape options the benchmarks share (gpt-tiny by default)."""
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=layers)
     ap.add_argument("--batch", type=int, default=batch)
     ap.add_argument("--seq", type=int, default=seq)
+
+
+def mlp_arguments(ap) -> None:
+    """The MLP-shape options the benchmarks share (8 x Linear(1024), batch 64)."""
+    ap.add_argument("--mlp-width", type=int, default=1024)
+    ap.add_argument("--mlp-layers", type=int, default=8)
+    ap.add_argument("--mlp-batch", type=int, default=64)
+
+
+def gpt_arguments(ap, *, layers: int = 2, batch: int = 8, seq: int = 64, warmup: int = 3,
+                  iters: int = 20) -> None:
+    """The GPT-shape, world and timing options the train-step benchmarks share."""
+    gpt_shape_arguments(ap, layers=layers, batch=batch, seq=seq)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=warmup)
     ap.add_argument("--iters", type=int, default=iters)

@@ -81,12 +81,7 @@ def main(argv=None):
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--procs", type=int, default=2, help="processes side by side (ranks)")
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8, help="global batch; each process runs half")
-    ap.add_argument("--seq", type=int, default=64)
+    M.gpt_shape_arguments(ap)    # --batch: the global batch; each process runs half
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compute_alone.json"))

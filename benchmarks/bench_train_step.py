@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from examples import gpt  # noqa: E402
+from benchmarks import _models as M  # noqa: E402
 from benchmarks._models import (SAME_WORK_RTOL, git_rev, require_same_work, same_work,  # noqa: E402
                                 timed_interleaved, write_result)
 from sharded import launch  # noqa: E402
@@ -69,7 +70,6 @@ def _rank_main(a: dict) -> dict:
     import sharded.rules  # noqa: F401  (SDPA sharding rules, for eager DTensor)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from benchmarks import _models as M
     from benchmarks._models import GPTModule, module_loss, train_step_reduced_grads
     from sharded import Mesh, P, gather, optim, shard
     from sharded.modes import DTensorExpandMode
@@ -207,19 +207,9 @@ def _rank_main(a: dict) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
-    ap.add_argument("--mlp-width", type=int, default=1024)
-    ap.add_argument("--mlp-layers", type=int, default=8)
-    ap.add_argument("--mlp-batch", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8, help="global batch")
-    ap.add_argument("--seq", type=int, default=64)
+    M.mlp_arguments(ap)
+    M.gpt_arguments(ap)          # --batch: the global batch
     ap.add_argument("--matmul-attn", action="store_true", help="matmul+softmax, not SDPA")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
                     help="comma-separated subset of " + ",".join(MODES))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "train_step.json"))

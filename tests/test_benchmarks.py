@@ -75,3 +75,31 @@ def test_gradients_twice_too_large_leave_loss_and_params_alone():
     checked = M.same_work({"wrong": _functional(grad_scale=2.0)}, _functional())["wrong"]
     text = "; ".join(checked["failures"])
     assert "exp_avg_sq_sum" in text and "loss " not in text and "params_sum" not in text
+
+
+def test_program_id_groups_one_program_on_either_mesh_and_parts_others():
+    """bench_auto's NOTE [Ranking distinct programs]: DDP lowered by DTensorExpandMode
+    on a 2x2 mesh (the batch over both axes) and by DataParallelMode on a flat (4,)
+    mesh is one program, so one digest; the MLP's Megatron specs on the 2x2 mesh are
+    another program, another digest."""
+    import optree
+
+    from benchmarks.bench_auto import program_id
+    from benchmarks.bench_train_step import mlp_tp_specs
+    from sharded import Mesh, P, optim, pjit
+    from sharded.modes import DataParallelMode, DTensorExpandMode
+
+    params = optree.tree_map(lambda t: t.to("meta"), M.mlp_init(64, 2))
+    state = optim.adamw_init(params)
+    x = torch.empty(8, 64, device="meta")
+    grid, flat = Mesh.abstract((2, 2), ("dp", "tp")), Mesh.abstract((4,), ("dp",))
+
+    def lower(mesh, ps, bs, mode):
+        os_ = {"step": P(), "m": ps, "v": ps}
+        return pjit(M.mlp_train_step, in_specs=(ps, os_, bs, bs), out_specs=(ps, os_, P()),
+                    mesh=mesh, mode=mode).lower(params, state, x, x)
+
+    ddp = program_id(lower(grid, P(), P(("dp", "tp")), DTensorExpandMode()))
+    ddp_mode = program_id(lower(flat, P(), P("dp"), DataParallelMode("replicate")))
+    megatron = program_id(lower(grid, mlp_tp_specs(params), P("dp"), DTensorExpandMode()))
+    assert ddp == ddp_mode != megatron
