@@ -1,6 +1,7 @@
 """The shared expander (sharded/modes/_expand.py), for what DTensor does not do alone:
 ``cat`` skips legacy empty tensors as torch.cat does (NOTE [cat skips legacy empty
-tensors]), and keyword tensors (SDPA's ``attn_mask``) are laid out as the op's plan
+tensors]), a view of a shard laid out otherwise than its global value copies it first
+(NOTE [A view of a shard laid out otherwise]), and keyword tensors (SDPA's ``attn_mask``) are laid out as the op's plan
 wants (NOTE [Keyword tensors are laid out by the expander]). Local graphs lowered on
 abstract meshes in one process; the values on real gloo ranks against one device, in
 DTensorExpandMode and both DataParallelMode layouts."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sharded import Mesh, P, gather
+from sharded import Mesh, P, gather, with_sharding_constraint
 from sharded.modes import DataParallelMode
 from transforms import pjit
 
@@ -53,6 +54,15 @@ def sdpa_masked(q, k, v, mask):
 
     out, vjp = torch.func.vjp(f, q)
     return out, vjp(torch.ones_like(out))[0]
+
+
+def heads_merged(a):
+    """Attention's output, [B, H, T, D] stored as [B, T, H, D] (a transpose of a
+    [B, T, H, D] value), gathered over its heads and merged back: ``transpose(1, 2)``
+    of the global value is contiguous, so the trace holds a view; the gathered block
+    is stored [B, H, T, D] and its transpose is not."""
+    c = with_sharding_constraint(a.transpose(1, 2) * 2, P())
+    return c.transpose(1, 2).view(a.shape[0], a.shape[1], -1)
 
 
 def _randn(*shape):
@@ -106,6 +116,17 @@ def test_sdpa_mask_is_laid_out_like_the_queries():
     assert lowered.collectives() == []
 
 
+def test_a_view_of_a_shard_laid_out_otherwise_copies_it_first():
+    """NOTE [A view of a shard laid out otherwise] (sharded/modes/_expand.py): the
+    lowering raised "Cannot view a tensor with shape [2, 8, 4, 4] and strides (128,
+    4, 32, 1)" from torch's view (AUTO's plan for GPT-2-small on 8x8 met it)."""
+    mesh = Mesh.abstract((2,), ("tp",))
+    lowered = pjit(heads_merged, in_specs=P(None, None, "tp"), mesh=mesh).lower(torch.empty(2, 8, 4, 4))
+    assert _node_shapes(lowered, aten.view.default)[0] == [(2, 8, 4, 4)]
+    clones = [n for n in lowered.local_graph.graph.nodes if n.target is aten.clone.default]
+    assert clones and clones[-1].users and next(iter(clones[-1].users)).target is aten.view.default
+
+
 # -- values on real ranks ------------------------------------------------------------------------
 
 def _cases_on_ranks():
@@ -118,6 +139,8 @@ def _cases_on_ranks():
         "sdpa mask, heads split": (sdpa_masked, _qkv_mask(1), (P(None, "tp"),) * 3 + (P(),), "tp", None),
         "sdpa per-head mask, heads split": (sdpa_masked, _qkv_mask(4), (P(None, "tp"),) * 3 + (P(),),
                                             "tp", None),
+        "heads merged after a gather": (heads_merged, (_randn(2, 8, 4, 4),), P(None, None, "tp"),
+                                        "tp", None),
     }
     for layout in ("replicate", "shard"):
         mode = DataParallelMode(layout)
@@ -137,5 +160,5 @@ def _cases_on_ranks():
 
 def test_values_equal_one_device_on_ranks(on_ranks):
     results = on_ranks(2, _cases_on_ranks)[0]
-    assert len(results) == 9
+    assert len(results) == 10
     assert {k: v for k, v in results.items() if v is not None} == {}

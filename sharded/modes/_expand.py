@@ -138,6 +138,8 @@ class Expander(fx.Interpreter):
             return handler(self, self.node, args, kwargs)
         if target is _CAT:
             return _cat(self, args, kwargs)
+        if target is _VIEW and isinstance(args[0], DTensor):
+            args = (_viewable(self, args[0]), *args[1:])
         if isinstance(target, _torch.OpOverload):
             args, kwargs = self.policy.before_op(self, self.node, target, args, kwargs)
             if target in _ELEMENTWISE_LISTS:
@@ -374,6 +376,28 @@ def _cat(ex: Expander, args, kwargs):
     if isinstance(val, torch.Tensor) and out.dtype != val.dtype:
         out = out.to(val.dtype)
     return out
+
+
+# -- a view of a shard laid out otherwise -------------------------------------------------
+
+# NOTE [A view of a shard laid out otherwise]
+# A traced ``view`` was valid on the global value's strides. A shard can be laid out
+# otherwise: attention's output, [B, H, T, D] stored as [B, T, H, D], is gathered
+# over its heads into a fresh [B, H, T, D] block, and ``transpose(1, 2).view(B, T,
+# H * D)``, a view of the global value, is no view of that block ("Cannot view a
+# tensor with shape ..."). The program is functional (NOTE [Expansion cost]), so a
+# copy computes the same values: a shard that is not contiguous where its global value
+# is gets a contiguous copy before the view.
+_VIEW = torch.ops.aten.view.default
+
+
+def _viewable(ex: Expander, x: DTensor) -> DTensor:
+    local = _torch.local_tensor(x)
+    src = ex.node.args[0] if ex.node is not None else None
+    val = src.meta.get("val") if isinstance(src, fx.Node) else None
+    if local.is_contiguous() or not isinstance(val, torch.Tensor) or not val.is_contiguous():
+        return x
+    return _torch.make_dtensor(local.contiguous(), _torch.dtensor_spec(x))
 
 
 # -- multi-tensor kernels DTensor cannot plan ---------------------------------------------------
