@@ -75,6 +75,7 @@ import copy
 import datetime
 import functools
 import hashlib
+import math
 import os
 import re
 import statistics
@@ -371,6 +372,35 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * d2 / (n * (n * n - 1))
 
 
+# NOTE [Orders the rounds can tell apart]
+# Plans run in interleaved rounds (each round runs every plan once), and the machine's
+# load moves a round's times together: two plans with one program have come out 15%
+# apart by their medians. An order between two programs is read from the rounds,
+# paired: A is faster than B when it was faster in so many of the rounds that a fair
+# coin would do so with probability under 5% (a two-sided sign test; 9 of 10 rounds).
+# Otherwise the rounds do not tell them apart, and either predicted order agrees with
+# the measurement. A round's time is its slowest rank's; a program's that several
+# plans lower to, their mean.
+SIGN_TEST_P = 0.05
+
+
+def sign_test(wins: int, n: int) -> float:
+    """Two-sided p-value of ``wins`` of ``n`` paired rounds under a fair coin."""
+    if n == 0:
+        return 1.0
+    k = max(wins, n - wins)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n)
+
+
+def told_apart(a: list[float], b: list[float]) -> int:
+    """-1 where the rounds say ``a`` is faster, 1 where ``b`` is, 0 where they do not
+    tell them apart (NOTE [Orders the rounds can tell apart])."""
+    wins = sum(x < y for x, y in zip(a, b))
+    if sign_test(wins, len(a)) >= SIGN_TEST_P:
+        return 0
+    return -1 if 2 * wins > len(a) else 1
+
+
 def _table(layout: str, name: str, per_rank: list[dict], a: dict) -> dict:
     r0 = per_rank[0][name]
     plans = list(r0["times"])
@@ -396,6 +426,24 @@ def _table(layout: str, name: str, per_rank: list[dict], a: dict) -> dict:
     g_pred = {g: statistics.mean(pred[p] for p in ps) for g, ps in groups.items()}
     distinct_measured = [names[g] for g in sorted(groups, key=g_ms.get)]
     distinct_predicted = [names[g] for g in sorted(groups, key=g_pred.get)]
+    # the orders the rounds can tell apart (NOTE [Orders the rounds can tell apart])
+    rounds = {p: [max(ts) for ts in zip(*(r[name]["times"][p] for r in per_rank))] for p in plans}
+    g_rounds = {g: [statistics.mean(ts) for ts in zip(*(rounds[p] for p in ps))]
+                for g, ps in groups.items()}
+    apart = []
+    for i, g in enumerate(groups):
+        for h in list(groups)[i + 1:]:
+            said = told_apart(g_rounds[g], g_rounds[h])
+            if said:
+                fast, slow = (g, h) if said < 0 else (h, g)
+                apart.append({"faster": names[fast], "slower": names[slow],
+                              "predicted_alike": g_pred[fast] <= g_pred[slow]})
+    vs_best = None
+    if best and "auto" in ms and r0.get("program", {}).get("auto") != r0.get("program", {}).get(best):
+        wins = sum(x < y for x, y in zip(rounds["auto"], rounds[best]))
+        vs_best = {"auto_faster_rounds": wins, "rounds": len(rounds["auto"]),
+                   "p": sign_test(wins, len(rounds["auto"])),
+                   "auto_slower": told_apart(rounds["auto"], rounds[best]) > 0}
     auto = r0.get("auto", {})
     print(f"\n{name} on {layout}: median of {a['iters']} interleaved rounds after {a['warmup']} "
           f"warm-up, slowest rank")
@@ -418,6 +466,9 @@ def _table(layout: str, name: str, per_rank: list[dict], a: dict) -> dict:
            "distinct_measured_order": distinct_measured,
            "distinct_predicted_order": distinct_predicted,
            "distinct_orders_equal": distinct_measured == distinct_predicted,
+           "told_apart": apart,
+           "ranking_agrees_where_told_apart": all(x["predicted_alike"] for x in apart),
+           "auto_against_best_hand_by_rounds": vs_best,
            "programs": r0.get("program", {}),
            "auto_same_program_as": {ap: [p for p in hand if r0.get("program", {}).get(p) is not None
                                          and r0["program"][p] == r0["program"].get(ap)]
@@ -447,6 +498,14 @@ def _table(layout: str, name: str, per_rank: list[dict], a: dict) -> dict:
     print(f"distinct programs, measured:  {' < '.join(distinct_measured)}")
     print(f"distinct programs, predicted: {' < '.join(distinct_predicted)}  (equal: "
           f"{row['distinct_orders_equal']})")
+    print(f"orders the rounds tell apart (sign test, p < {SIGN_TEST_P}): {len(apart)}; predicted "
+          f"alike: {sum(x['predicted_alike'] for x in apart)}"
+          + "".join(f"\n  NOT predicted: {x['faster']} < {x['slower']}"
+                    for x in apart if not x["predicted_alike"]))
+    if vs_best:
+        print(f"AUTO faster than {best} in {vs_best['auto_faster_rounds']} of {vs_best['rounds']} "
+              f"rounds (sign test p {vs_best['p']:.3f}; slower as the rounds tell: "
+              f"{vs_best['auto_slower']})")
     for ap, ar in r0.get("autos", {}).items():
         print(f"{ap}: program kept: {ar.get('chosen')}; candidates (predicted ms): "
               + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in (ar.get("candidates") or {}).items())

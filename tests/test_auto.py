@@ -42,7 +42,7 @@ from examples import gpt
 from sharded import AUTO, Mesh, P, gather, optim, shard, spec_of
 from sharded import collectives as C
 from sharded import random as srandom
-from sharded.auto._solve import solve
+from sharded.auto._solve import Edge, solve
 from sharded.auto._units import Unit
 from sharded.auto.cost import CostModel, predict
 from sharded.modes import DataParallelMode
@@ -568,23 +568,46 @@ def test_a_value_two_ops_read_in_one_layout_is_priced_as_one_move():
     assert lowered.auto["moves_s"] == pytest.approx(predict(lowered, model)["comm_s"], rel=1e-6)
 
 
-def test_a_shared_move_is_priced_at_the_dearest_reader_that_needs_it():
-    """NOTE [One move per value and layout]: a value two ops may read in one layout,
-    at different prices (a reduction read early pays its latency, one read in the
-    step's tail does not), costs the dearest price among the readers that need it, not
-    among all that could: here the dear reader can take another layout for free, and
-    the move is left to the cheap one (priced at the dearest of all, the solver
-    charged 2)."""
+def test_reductions_the_passes_merge_pay_one_latency():
+    """NOTE [Reductions are bucketed] (sharded/auto/_solve.py): a mean loss's sum and
+    count, reduced before the division that reads both, are one all-reduce, and the
+    step's tail (the gradient, the loss returned) one bucket. The solver's price of its
+    moves is the predictor's of the lowered program's collectives (it charged one
+    latency for the two: the tail free, the two scalars one each)."""
+    mesh = Mesh.abstract((2,), ("dp",))
+    model = CostModel.h100()
+
+    def step(w, x, t):
+        g, loss = torch.func.grad_and_value(lambda w: F.cross_entropy(x @ w, t))(w)
+        return w - 0.1 * g, loss
+
+    lowered = pjit(step, in_specs=(AUTO, P("dp"), P("dp")), out_specs=(AUTO, P()), mesh=mesh,
+                   cost_model=model).lower(torch.empty(64, 32), torch.empty(16, 64),
+                                           torch.zeros(16, dtype=torch.long))
+    assert [c.kind for c in lowered.collectives()] == ["all_reduce"] * 2
+    assert lowered.auto["moves_s"] == pytest.approx(predict(lowered, model)["comm_s"], rel=1e-6)
+    assert "latency of 2 torch.float32 all-reduce(s) over 'dp', merged  at the step's tail" \
+        in lowered.explain()
+
+
+def test_a_pool_of_reductions_is_one_latency_and_a_move_is_made_once():
+    """The program's terms, on units built by hand: two pending sums reduced before one
+    reader pay one pooled latency (NOTE [Reductions are bucketed]); a value two readers
+    need in one layout is moved once (NOTE [One move per value and layout])."""
     pending, whole, split = (Partial(),), (Replicate(),), (Shard(0),)
-    units = [Unit(None, "op", [((pending,), ())], compute=[0.0]),           # the producer
+    producer = Unit(None, "op", [((pending,), ())], compute=[0.0])
+    both = Unit(None, "op", [((whole,), (whole, whole))], inputs=[(0, 0), (1, 0)], compute=[0.0])
+    units = [producer, producer, both]
+    pool = [[(("before", 2, 0, torch.float32), 3.0)]]
+    edges = [Edge(2, 0, 0, np.array([[1.0]]), pool), Edge(2, 1, 1, np.array([[1.0]]), pool)]
+    sol = solve(units, edges, [], None, [])
+    assert sol.moves_s == pytest.approx(1.0 + 1.0 + 3.0), sol
+    edges[1] = Edge(2, 1, 1, np.array([[1.0]]), [[(("before", 2, 1, torch.float32), 3.0)]])
+    assert solve(units, edges, [], None, []).moves_s == pytest.approx(8.0)   # two pools
+    units = [producer,
              Unit(None, "op", [((whole,), (whole,)), ((split,), (split,))], inputs=[(0, 0)],
                   compute=[0.0, 0.0]),                                       # may take either
              Unit(None, "op", [((whole,), (whole,))], inputs=[(0, 0)], compute=[0.0])]
-    edges = [(1, 0, 0, np.array([[2.0, 0.0]])),      # whole: 2 (read early), split: free
-             (2, 0, 0, np.array([[1.0]]))]           # whole: 1 (read in the tail)
-    sol = solve(units, edges, [], None, [])
-    assert sol.choice[1] == 1 and sol.moves_s == pytest.approx(1.0), sol
-    # both need it whole: one move, at the dearer price
-    edges[0] = (1, 0, 0, np.array([[2.0, 5.0]]))
-    sol = solve(units, edges, [], None, [])
+    edges = [Edge(1, 0, 0, np.array([[2.0, 5.0]])), Edge(2, 0, 0, np.array([[2.0]]))]
+    sol = solve(units, edges, [], None, [])              # both take it whole: one move
     assert sol.choice[1] == 0 and sol.moves_s == pytest.approx(2.0), sol

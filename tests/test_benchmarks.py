@@ -103,3 +103,15 @@ def test_program_id_groups_one_program_on_either_mesh_and_parts_others():
     ddp_mode = program_id(lower(flat, P(), P("dp"), DataParallelMode("replicate")))
     megatron = program_id(lower(grid, mlp_tp_specs(params), P("dp"), DTensorExpandMode()))
     assert ddp == ddp_mode != megatron
+
+
+def test_orders_are_read_from_the_rounds_by_a_sign_test():
+    """bench_auto's NOTE [Orders the rounds can tell apart]: 9 of 10 paired rounds tell
+    two programs apart (p 0.021), 8 of 10 do not (p 0.11); which one is faster."""
+    from benchmarks.bench_auto import sign_test, told_apart
+
+    assert sign_test(9, 10) == pytest.approx(22 / 1024) and sign_test(1, 10) == sign_test(9, 10)
+    assert sign_test(8, 10) == pytest.approx(112 / 1024) and sign_test(5, 10) == 1.0
+    slow = [2.0] * 10
+    assert told_apart([1.0] * 9 + [3.0], slow) == -1 and told_apart(slow, [1.0] * 9 + [3.0]) == 1
+    assert told_apart([1.0] * 8 + [3.0] * 2, slow) == 0

@@ -145,9 +145,9 @@ def decide(gm: fx.GraphModule, mesh, in_placements: list, out_specs: list,
 # NOTE [Two candidates]
 # The solver's moves are its model's plan; DTensor's propagation from the same input
 # layouts is the program a user gets by giving the chosen specs by hand. The model
-# prices each move on its own, so its plan can pay for moves the propagation does
-# without (a small tensor gathered to save compute the model overrates, gradients
-# reduced one by one where the passes would bucket them). Both programs are lowered
+# prices each move on its own (the passes' buckets as pools of latency alone), so its
+# plan can pay for moves the propagation does without (a small tensor gathered to
+# save compute the model overrates). Both programs are lowered
 # and priced by the same model on their real collectives (``predict_graph``: after
 # the passes, buckets included), and the cheaper is kept (the propagation on a tie:
 # then ``lowered.in_specs`` given by hand is the same program). The report says

@@ -84,8 +84,13 @@ def report(units, sol, in_units, out_units, edges, mesh, model, request,
             outputs[u.path] = tuple(pl)
     # the moves the solution pays for, by where they are in the user's code
     by_where: dict = {}
-    for n, j, u, cm in edges:
-        c = float(cm[choice[u], choice[n]])
+    pools: dict = {}        # pooled latencies: one per pool (NOTE [Reductions are bucketed])
+    for e in edges:
+        n, j, u = e.reader, e.input, e.producer
+        c = float(e.cost[choice[u], choice[n]])
+        pooled = e.pools[choice[u]][choice[n]] if e.pools is not None else None
+        if pooled is not None:
+            pools.setdefault(pooled[0], [pooled[1], 0])[1] += 1
         if c <= 0.0:
             continue
         prod, reader = units[u], units[n]
@@ -99,6 +104,13 @@ def report(units, sol, in_units, out_units, edges, mesh, model, request,
         row = by_where.setdefault(key, {"where": key[0], "move": what, "count": 0, "seconds": 0.0})
         row["count"] += 1
         row["seconds"] += c
+    for (*where, group, dtype), (latency, count) in pools.items():
+        at = ("the step's tail" if where[0] == "tail"
+              else f"before {units[where[1]].node.name}")
+        over = "the mesh" if group == "mesh" else repr(mesh.axis_names[group])
+        by_where[("pool", *where, group, dtype)] = {
+            "where": at, "move": f"latency of {count} {dtype} all-reduce(s) over {over}, merged",
+            "count": 1, "seconds": latency}
     top = sorted(by_where.values(), key=lambda r: -r["seconds"])
     # compute by op
     by_op: dict = {}

@@ -42,8 +42,8 @@ from sharded.auto.cost import one_reduction, redistribute_seconds
 # has 7, and the solver took a plan 13% slower by its own predictor. So the edges of
 # one value are priced together: per pair of layouts (given, needed), continuous
 # m >= each reader's indicator of that move (its y, or its x where one side's layout
-# is fixed), at the dearest price among the readers that need it (readers' prices
-# differ by the tail's latency discount: a staircase of one m per distinct price).
+# is fixed), at the move's price. A reduction's latency is pooled apart from its
+# bytes (NOTE [Reductions are bucketed]), so a move costs every reader the same.
 # Ties: an AUTO output with an AUTO input of the same path, shape and dtype (the
 # parameters a step returns) takes that input's layout: a train loop then feeds each
 # step's outputs to the next with no redistribution.
@@ -76,53 +76,98 @@ class Infeasible(Exception):
 
 
 # NOTE [Reductions are bucketed]
-# The passes gather the step's all-reduces into buckets (sharded/passes/bucketing.py),
-# so a Partial -> Replicate move in the step's tail (read only after its last matmul:
-# the optimizer's gradients, or gradients returned as they are) pays its bytes but not
-# a collective's latency of its own: a data-parallel step's dozens of gradient
-# all-reduces are a few collectives. Without this the solver would gather a small
-# batch to every rank (a few latencies) rather than reduce every gradient (a latency
-# each, as it would count them). A reduction read before then (a row-parallel
-# matmul's output, read by the next op), or over two axes of three (two all-reduces,
-# which the bucketing pass leaves apart), pays its latency. A sum over every axis of the
-# mesh is one all-reduce over the mesh's group (NOTE [Redistribution cost]), bucketed.
+# The passes merge consecutive all-reduces over one group and dtype into one
+# collective (sharded/passes/bucketing.py), so an all-reduce's latency is paid once
+# per bucket, not once per reduced value. A reduction (a sum pending over one axis, or
+# over every axis of the mesh at once: one all-reduce over the mesh's group, NOTE
+# [Redistribution cost]) is priced by its bytes on its edge, and its latency is
+# pooled: one continuous z per pool, at one all-reduce's latency, z >= the term of
+# each reduction in the pool. The pools are where the program's all-reduces meet:
+# - the step's tail (a reader after the step's last matmul: the optimizer's
+#   gradients, or gradients returned as they are): one bucket per group and dtype.
+#   A data-parallel step's dozens of gradient all-reduces are a few collectives;
+#   charged one each, the solver would gather a small batch to every rank rather
+#   than reduce every gradient.
+# - before the first op that reads the value, elsewhere: the reductions made before
+#   one op are issued together and merged. A mean loss's sum and count, both read by
+#   its division, are one all-reduce (charged two, the solver took gathering gpt-tiny's
+#   logits at ws2 for cheaper than DDP, which its predictor put the other way).
+# A sum over some axes of several is one all-reduce per axis, which the passes do not
+# bucket together: it pays its latency on its edge. Not modelled: a tail of more than
+# one bucket's bytes (DEFAULT_BUCKET_BYTES) pays one latency per bucket; the pool
+# charges one, where the bytes dominate the price.
 
-def _bucketed_latency(model, p, q, mesh_shape) -> float:
-    """The latency to take off the move p -> q: an all-reduce over one axis, and no
-    other change, or over every axis of the mesh at once (a sum over some axes of
-    several is one all-reduce per axis, which the passes do not bucket)."""
+@dataclass
+class Edge:
+    """A value read by a unit's input: ``cost[k][s]`` the move's price from the
+    producer's strategy k to the reader's s, less the latency pooled in
+    ``pools[k][s]`` (NOTE [Reductions are bucketed]): ``(pool key, latency)`` or None."""
+
+    reader: int
+    input: int
+    producer: int
+    cost: np.ndarray
+    pools: list | None = None
+
+    def price(self, k: int, s: int) -> float:
+        """The move's price alone, its pooled latency included."""
+        pooled = self.pools[k][s] if self.pools is not None else None
+        return float(self.cost[k, s]) + (pooled[1] if pooled is not None else 0.0)
+
+
+def _reduction(model, p, q, mesh_shape):
+    """The group and latency of the move p -> q where it is one all-reduce: over one
+    axis, and no other change, or over every axis of the mesh at once; else None."""
     if one_reduction(p, q, mesh_shape):
-        return model.collective_seconds("all_reduce", 0, math.prod(mesh_shape))
-    changed = [(size, a, b) for size, a, b in zip(mesh_shape, p, q) if a != b and size > 1]
-    if len(changed) == 1 and changed[0][1].is_partial() and changed[0][2].is_replicate():
-        return model.collective_seconds("all_reduce", 0, changed[0][0])
-    return 0.0
+        return "mesh", model.collective_seconds("all_reduce", 0, math.prod(mesh_shape))
+    changed = [(i, size, a, b) for i, (size, a, b) in enumerate(zip(mesh_shape, p, q))
+               if a != b and size > 1]
+    if len(changed) == 1 and changed[0][2].is_partial() and changed[0][3].is_replicate():
+        return changed[0][0], model.collective_seconds("all_reduce", 0, changed[0][1])
+    return None
 
 
 _HEAVY = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::convolution",
           "aten::convolution_backward", "aten::embedding_dense_backward")
 
 
-def edge_costs(units: list[Unit], model, mesh_shape, order: dict) -> list:
-    """Per (unit, tensor input): (producer unit, cost matrix [k_producer][s_reader]),
-    and per output unit likewise (NOTE [Reductions are bucketed]); ``order``: each
-    node's position in the program."""
+def edge_costs(units: list[Unit], model, mesh_shape, order: dict) -> list[Edge]:
+    """Per (unit, tensor input), and per output unit likewise, its ``Edge`` (NOTE
+    [Reductions are bucketed]); ``order``: each node's position in the program."""
     heavy = [order[u.node] for u in units if u.node is not None and u.kind == "op"
              and _torch.op_name(u.node.target) in _HEAVY]
     last_heavy = max(heavy, default=-1)
+
+    def tail(unit) -> bool:
+        return unit.node is None or order.get(unit.node, -1) > last_heavy
+
+    first: dict = {}        # value -> its first reader outside the tail
+    for n, unit in enumerate(units):
+        if not tail(unit):
+            for v in unit.inputs:
+                if v not in first or order[unit.node] < order[units[first[v]].node]:
+                    first[v] = n
     out = []
     for n, unit in enumerate(units):
-        tail = unit.node is None or order.get(unit.node, -1) > last_heavy
         for j, (u, o) in enumerate(unit.inputs):
             prod = units[u]
             val = prod.vals[o]
             shape, itemsize = tuple(val.shape), val.element_size()
             src = [outs[o] for outs, _ in prod.strategies]
             dst = [ins[j] for _, ins in unit.strategies]
-            c = np.array([[max(0.0, redistribute_seconds(model, p, q, shape, itemsize, mesh_shape)
-                                - (_bucketed_latency(model, p, q, mesh_shape) if tail else 0.0))
-                           for q in dst] for p in src])
-            out.append((n, j, u, c))
+            where = ("tail",) if tail(unit) else ("before", first[(u, o)])
+            cost = np.zeros((len(src), len(dst)))
+            pools = [[None] * len(dst) for _ in src]
+            for a, p in enumerate(src):
+                for b, q in enumerate(dst):
+                    c = redistribute_seconds(model, p, q, shape, itemsize, mesh_shape)
+                    red = _reduction(model, p, q, mesh_shape) if c > 0.0 else None
+                    if red is not None:
+                        group, latency = red
+                        pools[a][b] = ((*where, group, val.dtype), latency)
+                        c = max(0.0, c - latency)
+                    cost[a, b] = c
+            out.append(Edge(n, j, u, cost, pools))
     return out
 
 
@@ -157,8 +202,10 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
     # reader's term, an expression over x or y that is 1 where that move is made, and
     # its cost (NOTE [One move per value and layout])
     moves: dict = {}
-    for n, j, u, cm in edges:
-        if not cm.any():
+    pooled: dict = {}       # pool key -> (latency, terms): NOTE [Reductions are bucketed]
+    for e in edges:
+        n, j, u, cm = e.reader, e.input, e.producer, e.cost
+        if not cm.any() and (e.pools is None or not any(map(any, e.pools))):
             continue
         o = units[n].inputs[j][1]
         # group the producer's strategies by the layout they give this value, the
@@ -186,7 +233,8 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
         for a, (pkey, ks) in enumerate(gp):
             for b, (qkey, ss) in enumerate(gq):
                 cost = float(cm[ks[0], ss[0]])
-                if cost == 0.0:
+                pool = e.pools[ks[0]][ss[0]] if e.pools is not None else None
+                if cost == 0.0 and pool is None:
                     continue
                 if len(gp) > 1 and len(gq) > 1:
                     term = (base + a * len(gq) + b,)
@@ -196,37 +244,32 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
                     term = tuple(offset[n] + k for k in ss)
                 else:                    # a move made whatever both choose
                     term = tuple(offset[u] + k for k in range(len(units[u].strategies)))
-                moves.setdefault((u, o, pkey, qkey), []).append((cost, term))
-    for terms in moves.values():
+                if cost > 0.0:
+                    moves.setdefault((u, o, pkey, qkey), []).append((cost, term))
+                if pool is not None:
+                    pooled.setdefault(pool[0], (pool[1], []))[1].append(term)
+    # a move several readers need, and a pool of latencies, are paid once: a continuous
+    # z >= the term of each, at its price (a move's price is the same for every reader:
+    # it depends on the value and the two layouts alone)
+    for price, terms in [(max(cost for cost, _ in terms), [t for _, t in terms])
+                         for terms in moves.values()] + list(pooled.values()):
         if len(terms) == 1:
-            cost, term = terms[0]
-            for col in term:
+            for col in terms[0]:
                 if col < nx:
-                    c[col] += cost
+                    c[col] += price
                 else:
-                    y_cost[col - nx] += cost
+                    y_cost[col - nx] += price
             continue
-        # several readers may need the value in one layout: one move, made once, at
-        # the dearest price among the readers that need it (a reduction read early
-        # pays its latency, one read in the tail does not). A staircase: per distinct
-        # price c_i (ascending), m_i >= the term of each reader priced c_i or more, at
-        # c_i - c_(i-1); the sum of the m_i is the dearest needing reader's price
-        prices = sorted({cost for cost, _ in terms})
-        below = 0.0
-        for price in prices:
-            m = nx + ny
-            ny += 1
-            y_cost.append(price - below)
-            below = price
-            for cost, term in terms:
-                if cost < price:
-                    continue
-                rows += [r] * (1 + len(term))
-                cols += [m, *term]
-                vals += [1.0] + [-1.0] * len(term)
-                lo.append(0.0)
-                hi.append(np.inf)
-                r += 1
+        z = nx + ny
+        ny += 1
+        y_cost.append(price)
+        for term in terms:
+            rows += [r] * (1 + len(term))
+            cols += [z, *term]
+            vals += [1.0] + [-1.0] * len(term)
+            lo.append(0.0)
+            hi.append(np.inf)
+            r += 1
     for a, b, pairs in ties:
         # x[a, ka] == x[b, kb] for each agreeing pair; others of b are 0 where a has no pair
         for ka, kb in pairs:
