@@ -570,11 +570,18 @@ def main(argv=None):
         "best_hand": results[layout][name]["best_hand"],
         "orders_equal": results[layout][name]["orders_equal"],
         "distinct_orders_equal": results[layout][name]["distinct_orders_equal"],
-        "spearman": results[layout][name]["spearman"]} for layout in layouts for name in a["models"]}
+        "spearman": results[layout][name]["spearman"],
+        "told_apart": len(results[layout][name]["told_apart"]),
+        "ranking_agrees_where_told_apart": results[layout][name]["ranking_agrees_where_told_apart"],
+        "auto_slower_by_rounds": bool((results[layout][name]["auto_against_best_hand_by_rounds"]
+                                       or {}).get("auto_slower")),
+    } for layout in layouts for name in a["models"]}
     print("\nsummary: " + "; ".join(
-        f"{k}: AUTO/best {v['auto_over_best_hand']:.2f} ({v['best_hand']}), ranking "
+        f"{k}: AUTO/best {v['auto_over_best_hand']:.2f} ({v['best_hand']}; slower as the rounds "
+        f"tell: {v['auto_slower_by_rounds']}), ranking "
         f"{'equal' if v['orders_equal'] else 'differs'} (rho {v['spearman']:.2f}), of distinct "
-        f"programs {'equal' if v['distinct_orders_equal'] else 'differs'}"
+        f"programs {'equal' if v['distinct_orders_equal'] else 'differs'}, where the rounds tell "
+        f"{v['told_apart']} orders apart {'agrees' if v['ranking_agrees_where_told_apart'] else 'DIFFERS'}"
         for k, v in summary.items()))
     result = {
         "benchmark": "auto",
