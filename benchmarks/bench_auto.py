@@ -394,11 +394,11 @@ def sign_test(wins: int, n: int) -> float:
 
 def told_apart(a: list[float], b: list[float]) -> int:
     """-1 where the rounds say ``a`` is faster, 1 where ``b`` is, 0 where they do not
-    tell them apart (NOTE [Orders the rounds can tell apart])."""
-    wins = sum(x < y for x, y in zip(a, b))
-    if sign_test(wins, len(a)) >= SIGN_TEST_P:
+    tell them apart (NOTE [Orders the rounds can tell apart]; tied rounds left out)."""
+    wins, losses = sum(x < y for x, y in zip(a, b)), sum(x > y for x, y in zip(a, b))
+    if sign_test(wins, wins + losses) >= SIGN_TEST_P:
         return 0
-    return -1 if 2 * wins > len(a) else 1
+    return -1 if wins > losses else 1
 
 
 def _table(layout: str, name: str, per_rank: list[dict], a: dict) -> dict:
@@ -441,8 +441,9 @@ def _table(layout: str, name: str, per_rank: list[dict], a: dict) -> dict:
     vs_best = None
     if best and "auto" in ms and r0.get("program", {}).get("auto") != r0.get("program", {}).get(best):
         wins = sum(x < y for x, y in zip(rounds["auto"], rounds[best]))
+        losses = sum(x > y for x, y in zip(rounds["auto"], rounds[best]))
         vs_best = {"auto_faster_rounds": wins, "rounds": len(rounds["auto"]),
-                   "p": sign_test(wins, len(rounds["auto"])),
+                   "p": sign_test(wins, wins + losses),
                    "auto_slower": told_apart(rounds["auto"], rounds[best]) > 0}
     auto = r0.get("auto", {})
     print(f"\n{name} on {layout}: median of {a['iters']} interleaved rounds after {a['warmup']} "

@@ -83,20 +83,25 @@ def report(units, sol, in_units, out_units, edges, mesh, model, request,
         except ValueError:
             outputs[u.path] = tuple(pl)
     # the moves the solution pays for, by where they are in the user's code
+    # (a move several readers need is made once: NOTE [One move per value and layout])
     by_where: dict = {}
     pools: dict = {}        # pooled latencies: one per pool (NOTE [Reductions are bucketed])
+    made: set = set()
     for e in edges:
         n, j, u = e.reader, e.input, e.producer
+        prod, reader = units[u], units[n]
+        o = reader.inputs[j][1]
+        src = prod.strategies[choice[u]][0][o]
+        dst = reader.strategies[choice[n]][1][j]
+        if (u, o, src, dst) in made:
+            continue
+        made.add((u, o, src, dst))
         c = float(e.cost[choice[u], choice[n]])
         pooled = e.pools[choice[u]][choice[n]] if e.pools is not None else None
         if pooled is not None:
             pools.setdefault(pooled[0], [pooled[1], 0])[1] += 1
         if c <= 0.0:
             continue
-        prod, reader = units[u], units[n]
-        o = reader.inputs[j][1]
-        src = prod.strategies[choice[u]][0][o]
-        dst = reader.strategies[choice[n]][1][j]
         val = prod.vals[o]
         what = (f"{tuple(val.shape)} {_pl_text(src, mesh, val.ndim)} -> "
                 f"{_pl_text(dst, mesh, val.ndim)}")
@@ -106,7 +111,7 @@ def report(units, sol, in_units, out_units, edges, mesh, model, request,
         row["seconds"] += c
     for (*where, group, dtype), (latency, count) in pools.items():
         at = ("the step's tail" if where[0] == "tail"
-              else f"before {units[where[1]].node.name}")
+              else f"{units[where[1]].node.name}'s inputs")
         over = "the mesh" if group == "mesh" else repr(mesh.axis_names[group])
         by_where[("pool", *where, group, dtype)] = {
             "where": at, "move": f"latency of {count} {dtype} all-reduce(s) over {over}, merged",

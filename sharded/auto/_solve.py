@@ -41,7 +41,7 @@ from sharded.auto.cost import one_reduction, redistribute_seconds
 # edge, the MLP 8x1024 Megatron plan paid 10 activation all-reduces where its program
 # has 7, and the solver took a plan 13% slower by its own predictor. So the edges of
 # one value are priced together: per pair of layouts (given, needed), continuous
-# m >= each reader's indicator of that move (its y, or its x where one side's layout
+# z >= each reader's indicator of that move (its y, or its x where one side's layout
 # is fixed), at the move's price. A reduction's latency is pooled apart from its
 # bytes (NOTE [Reductions are bucketed]), so a move costs every reader the same.
 # Ties: an AUTO output with an AUTO input of the same path, shape and dtype (the
@@ -92,14 +92,16 @@ class Infeasible(Exception):
 #   made HiGHS take 16 s rather than 6 s on a 4-layer GPT-2-small over 8x8 (140 s
 #   at 12 layers), for one latency per group: it tells apart only a plan that
 #   reduces nothing in its tail from one that does.
-# - before the first op that reads the value, elsewhere: the reductions made before
-#   one op are issued together and merged. A mean loss's sum and count, both read by
+# - before the first op that reads the value, elsewhere (a value read there and in
+#   the tail too is reduced there, once): the reductions made before one op are
+#   issued together and merged. A mean loss's sum and count, both read by
 #   its division, are one all-reduce (charged two, the solver took gathering gpt-tiny's
 #   logits at ws2 for cheaper than DDP, which its predictor put the other way).
 # A sum over some axes of several is one all-reduce per axis, which the passes do not
 # bucket together: it pays its latency on its edge. Not modelled: a tail of more than
 # one bucket's bytes (DEFAULT_BUCKET_BYTES) pays one latency per bucket; the pool
-# charges one, where the bytes dominate the price.
+# charges one, where the bytes dominate the price. And a value's reduction is pooled
+# at its first reader, though a later reader may be the one that needs it reduced.
 
 @dataclass
 class Edge:
@@ -112,11 +114,6 @@ class Edge:
     producer: int
     cost: np.ndarray
     pools: list | None = None
-
-    def price(self, k: int, s: int) -> float:
-        """The move's price alone, its pooled latency included."""
-        pooled = self.pools[k][s] if self.pools is not None else None
-        return float(self.cost[k, s]) + (pooled[1] if pooled is not None else 0.0)
 
 
 def _reduction(model, p, q, mesh_shape):
@@ -160,7 +157,9 @@ def edge_costs(units: list[Unit], model, mesh_shape, order: dict) -> list[Edge]:
             shape, itemsize = tuple(val.shape), val.element_size()
             src = [outs[o] for outs, _ in prod.strategies]
             dst = [ins[j] for _, ins in unit.strategies]
-            where = ("tail",) if tail(unit) else ("before", first[(u, o)])
+            # (a value read before the tail too is reduced there, once: NOTE
+            # [One move per value and layout])
+            where = ("before", first[(u, o)]) if (u, o) in first else ("tail",)
             cost = np.zeros((len(src), len(dst)))
             pools = [[None] * len(dst) for _ in src]
             for a, p in enumerate(src):
@@ -262,7 +261,7 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
     # it depends on the value and the two layouts alone)
     # the tail's pools are priced after the solve (NOTE [Reductions are bucketed])
     tail = [pool for key, pool in pooled.items() if key[0] == "tail"]
-    for price, terms in [(max(cost for cost, _ in terms), [t for _, t in terms])
+    for price, terms in [(terms[0][0], [t for _, t in terms])
                          for terms in moves.values()] + [
                              pool for key, pool in pooled.items() if key[0] != "tail"]:
         if len(terms) == 1:

@@ -138,10 +138,10 @@ class Expander(fx.Interpreter):
             return handler(self, self.node, args, kwargs)
         if target is _CAT:
             return _cat(self, args, kwargs)
-        if target is _VIEW and isinstance(args[0], DTensor):
-            args = (_viewable(self, args[0]), *args[1:])
         if isinstance(target, _torch.OpOverload):
             args, kwargs = self.policy.before_op(self, self.node, target, args, kwargs)
+            if target is _VIEW and isinstance(args[0], DTensor):
+                args = (_viewable(self, args[0]), *args[1:])
             if target in _ELEMENTWISE_LISTS:
                 return _elementwise_lists(self, target, args, kwargs)
             if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
