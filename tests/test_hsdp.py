@@ -18,7 +18,7 @@ import torch
 
 from examples import gpt
 from sharded import Mesh, P, gather, optim, spec_of
-from sharded.modes import DataParallelMode
+from sharded.modes import DataParallelMode, DTensorExpandMode
 from sharded.spec import local_shape
 from transforms import pjit
 
@@ -43,16 +43,17 @@ def _calls(lowered) -> list:
 # -- rank-side bodies ---------------------------------------------------------------------
 
 def _train(mesh_shape, names, sharding, steps=3, bucket_bytes=None):
-    """On every rank: ``steps`` GPT train steps under HSDP (or DDP over both axes) equal
-    the same steps on one device (losses, parameters, AdamW moments); returns the
-    layouts and the program's collectives."""
+    """On every rank: ``steps`` GPT train steps under HSDP (or DDP over both axes;
+    ``sharding="expand"``: DTensorExpandMode given DDP's layouts) equal the same steps
+    on one device (losses, parameters, AdamW moments); returns the layouts and the
+    program's collectives."""
     mesh = Mesh(mesh_shape, names)
     tp = "tp" in names
     params = gpt.init_params(CFG, 0)
     ps, os_ = _specs(params, tp)
     kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-    step = pjit(_step(CFG), in_specs=(ps, os_, BATCH, BATCH), mesh=mesh,
-                mode=DataParallelMode(sharding, axis=AXES, **kw))
+    mode = DTensorExpandMode() if sharding == "expand" else DataParallelMode(sharding, axis=AXES, **kw)
+    step = pjit(_step(CFG), in_specs=(ps, os_, BATCH, BATCH), mesh=mesh, mode=mode)
     ids, targets = gpt.batch(CFG, 8, seed=1)
     p, o = params, optim.adamw_init(params)
     rp, ro = p, o
@@ -78,7 +79,7 @@ def _train_2x2():
 
 
 def _train_2x2x2():
-    return {s: _train((2, 2, 2), (*AXES, "tp"), s, steps=2) for s in ("shard", "replicate")}
+    return {s: _train((2, 2, 2), (*AXES, "tp"), s, steps=2) for s in ("shard", "replicate", "expand")}
 
 
 _RESULTS: dict = {}
@@ -171,6 +172,9 @@ def test_hsdp_with_tp_2x2x2_equals_one_device(on_ranks):
         grads = [c for c in _by(r["calls"], "all_reduce", axis) if c[2] != ()]
         assert total <= sum(math.prod(c[2]) for c in grads) <= total + 1, (axis, r["calls"])
         assert len(grads) < n_params // 2, grads
+    # DTensorExpandMode given those layouts: the same collectives (issue 23: it reduced
+    # over "dp_replicate" first, each gradient alone), and one device's values
+    assert res["expand"]["calls"] == r["calls"]
 
 
 # -- abstract meshes: the plan without ranks -----------------------------------------------

@@ -102,6 +102,29 @@ def test_replicated_state_lowers_alike_in_both_modes(case, shape):
     assert len(buckets) == 1 and n_params <= buckets[0] <= n_params + 1, reductions
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_batch_over_two_axes_of_three_lowers_alike_in_both_modes(case):
+    """DDP over two axes of a ("dp", "fsdp", "tp") mesh: a gradient pending over "dp"
+    and "fsdp" is reduced one axis after the other. DTensorExpandMode left the order to
+    DTensor ("dp" first) and did not chain the reductions, so each gradient's
+    all-reduce over "dp" went out alone (7 collectives a step for the MLP against
+    DataParallelMode's 2); both now reduce over "fsdp" and then "dp", and both run
+    the chained-reduction passes (NOTE [Chained reductions]): one bucket per axis."""
+    step, params, batch = CASES[case]()
+    mesh = Mesh.abstract((2, 2, 2), ("dp", "fsdp", "tp"))
+    batch_spec = P(("dp", "fsdp"))
+    specs = dict(in_specs=(P(), P(), batch_spec, batch_spec), out_specs=(P(), P(), P()), mesh=mesh)
+    state = optim.adamw_init(params)
+    by_expand = pjit(step, mode=DTensorExpandMode(), **specs).lower(params, state, *batch)
+    by_dp = pjit(step, mode=DataParallelMode("replicate", axis=("dp", "fsdp")),
+                 **specs).lower(params, state, *batch)
+    assert _program(by_expand) == _program(by_dp)
+    n_params = sum(t.numel() for t in optree.tree_leaves(params))
+    buckets = [(c.axis, c.shape[0]) for c in by_expand.collectives() if c.shape != ()]
+    assert [axis for axis, _ in buckets] == ["fsdp", "dp"], buckets
+    assert all(n_params <= size <= n_params + 1 for _, size in buckets), buckets
+
+
 def test_a_sum_pending_over_every_axis_is_one_all_reduce_where_an_op_needs_it():
     """A sum pending over both axes of a 2x2 mesh, read by an op that is not linear in
     it (a number added, a floor division), is reduced by the policy in one all-reduce

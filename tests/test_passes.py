@@ -548,7 +548,8 @@ def test_pass_lists_are_declared_in_order():
         "remove_trivial_collectives", "remove_identity_views", "untie_shape_reads", "dce", "cse"]
     assert [p.name for p in DTensorExpandMode.passes] == [
         *names[:len(CLEANUP)], "count_targets_early", "hoist_reductions",
-        "sink_casts_of_reductions", "bucket_all_reduces", "sink_waits", "reinplace_foreach"]
+        "sink_casts_of_reductions", "defer_chained_reductions", "bucket_all_reduces", "sink_waits",
+        "hoist_chained_reductions", "reinplace_foreach"]
     assert names[-1] == "reinplace_foreach"
     swapped = list(DataParallelMode.passes)
     i, j = names.index("count_targets_early"), names.index("hoist_reductions")

@@ -188,6 +188,8 @@ class Expander(fx.Interpreter):
             return done[1]
         y = self._reduced_over_mesh(x, placements)
         if y is None:
+            y = self._reduced_axis_by_axis(x, placements)
+        if y is None:
             y = _torch.redistribute_untracked(x, placements)
         self._redistributed[key] = (x, y)
         return y
@@ -209,6 +211,26 @@ class Expander(fx.Interpreter):
         local = _torch.local_tensor(x).contiguous()
         out = _F.wait_tensor.default(_F.all_reduce.default(local, "sum", group))
         return self.globals_of([out], [placements], [x.shape])[0]
+
+    def _reduced_axis_by_axis(self, x: DTensor, placements: tuple) -> DTensor | None:
+        """``x``, a sum pending over several axes of the mesh but not every one, made
+        replicated over them and nothing else moved: one all-reduce per axis, from
+        the last axis to the first, the order DataParallelMode reduces its data axes
+        in (NOTE [HSDP] in data_parallel.py), where DTensor takes the first axis first.
+        So the same layouts give the same program, and the passes chain the two
+        reductions (NOTE [Chained reductions] in sharded/passes/bucketing.py). None
+        for any other move."""
+        src = tuple(x.placements)
+        changed = [i for i, (a, b) in enumerate(zip(src, placements)) if a != b]
+        if len(changed) < 2 or not all(
+                _torch.is_plain_partial(src[i]) and src[i].reduce_op == "sum"
+                and isinstance(placements[i], Replicate) for i in changed):
+            return None
+        pls = list(src)
+        for i in reversed(changed):
+            pls[i] = Replicate()
+            x = _torch.redistribute_untracked(x, tuple(pls))
+        return x
 
     def locals_of(self, xs, placements) -> list:
         """This rank's shards of ``xs`` laid out as ``placements``."""

@@ -29,7 +29,8 @@ from torch.distributed.tensor import Placement
 from sharded.errors import ShardingRuleError
 from sharded.precision import sink_casts_of_reductions
 from sharded.modes._runner import make_runner
-from sharded.passes import (bucket_all_reduces, cse, dce, hoist_reductions, reinplace_foreach,
+from sharded.passes import (bucket_all_reduces, cse, dce, defer_chained_reductions,
+                            hoist_chained_reductions, hoist_reductions, reinplace_foreach,
                             remove_identity_views, remove_trivial_collectives, sink_waits,
                             untie_shape_reads)
 from sharded.rewrites.losses import count_targets_early
@@ -137,8 +138,15 @@ class ParallelMode(abc.ABC):
     passes: tuple[Pass, ...] = (
         *CLEANUP,
         *EARLY_REDUCTIONS,
-        Pass("bucket_all_reduces", lambda g, m: bucket_all_reduces(g), after=("hoist_reductions",)),
+        # a sum over two axes of three: two all-reduces in sequence, each bucketed
+        # (NOTE [Chained reductions])
+        Pass("defer_chained_reductions", lambda g, m: defer_chained_reductions(g),
+             after=("hoist_reductions",)),
+        Pass("bucket_all_reduces", lambda g, m: bucket_all_reduces(g),
+             after=("hoist_reductions", "defer_chained_reductions")),
         Pass("sink_waits", lambda g, m: sink_waits(g), after=("bucket_all_reduces",)),
+        Pass("hoist_chained_reductions", lambda g, m: hoist_chained_reductions(g),
+             after=("sink_waits",)),
         REINPLACE,
     )
 
