@@ -42,7 +42,7 @@ from examples import gpt
 from sharded import AUTO, Mesh, P, gather, optim, shard, spec_of
 from sharded import collectives as C
 from sharded import random as srandom
-from sharded.auto._solve import Edge, solve
+from sharded.auto._solve import Edge, edge_costs, solve
 from sharded.auto._units import Unit
 from sharded.auto.cost import CostModel, predict
 from sharded.modes import DataParallelMode
@@ -604,6 +604,17 @@ def test_reductions_the_passes_merge_pay_one_latency():
     assert lowered.auto["moves_s"] == pytest.approx(predict(lowered, model)["comm_s"], rel=1e-6)
     assert "latency of 1 torch.float32 all-reduce(s) over 'tp', merged  at gelu's inputs" \
         in lowered.explain()
+    # a sum over two axes of three is one all-reduce per axis, each axis's bucketed
+    # (NOTE [Chained reductions]): two gradients pay their bytes and one latency per axis
+    two = (Partial(), Partial(), Replicate())
+    whole3 = (Replicate(),) * 3
+    units = [Unit(None, "op", [((two,), ())], vals=[torch.empty(64, 32)], compute=[0.0])] * 2 + [
+        Unit(None, "output", [((whole3,), (whole3, whole3))], inputs=[(0, 0), (1, 0)], compute=[0.0])]
+    edges = edge_costs(units, model, (2, 2, 2), {})
+    assert [key[1] for key, _ in edges[0].pools[0][0]] == [0, 1]
+    one_axis = model.collective_seconds("all_reduce", 64 * 32 * 4, 2)
+    latency = model.collective_seconds("all_reduce", 0, 2)
+    assert solve(units, edges, [], None, []).moves_s == pytest.approx(4 * one_axis - 2 * latency)
 
 
 def test_a_pool_of_reductions_is_one_latency_and_a_move_is_made_once():
@@ -614,11 +625,11 @@ def test_a_pool_of_reductions_is_one_latency_and_a_move_is_made_once():
     producer = Unit(None, "op", [((pending,), ())], compute=[0.0])
     both = Unit(None, "op", [((whole,), (whole, whole))], inputs=[(0, 0), (1, 0)], compute=[0.0])
     units = [producer, producer, both]
-    pool = [[(("before", 2, 0, torch.float32), 3.0)]]
+    pool = [[((("before", 2, 0, torch.float32), 3.0),)]]
     edges = [Edge(2, 0, 0, np.array([[1.0]]), pool), Edge(2, 1, 1, np.array([[1.0]]), pool)]
     sol = solve(units, edges, [], None, [])
     assert sol.moves_s == pytest.approx(1.0 + 1.0 + 3.0), sol
-    edges[1] = Edge(2, 1, 1, np.array([[1.0]]), [[(("before", 2, 1, torch.float32), 3.0)]])
+    edges[1] = Edge(2, 1, 1, np.array([[1.0]]), [[((("before", 2, 1, torch.float32), 3.0),)]])
     assert solve(units, edges, [], None, []).moves_s == pytest.approx(8.0)   # two pools
     units = [producer,
              Unit(None, "op", [((whole,), (whole,)), ((split,), (split,))], inputs=[(0, 0)],

@@ -98,8 +98,8 @@ def report(units, sol, in_units, out_units, edges, mesh, model, request,
         made.add((u, o, src, dst))
         c = float(e.cost[choice[u], choice[n]])
         pooled = e.pools[choice[u]][choice[n]] if e.pools is not None else None
-        if pooled is not None:
-            pools.setdefault(pooled[0], [pooled[1], 0])[1] += 1
+        for key, latency in pooled or ():
+            pools.setdefault(key, [latency, 0])[1] += 1
         if c <= 0.0:
             continue
         val = prod.vals[o]

@@ -97,8 +97,9 @@ class Infeasible(Exception):
 #   issued together and merged. A mean loss's sum and count, both read by
 #   its division, are one all-reduce (charged two, the solver took gathering gpt-tiny's
 #   logits at ws2 for cheaper than DDP, which its predictor put the other way).
-# A sum over some axes of several is one all-reduce per axis, which the passes do not
-# bucket together: it pays its latency on its edge. Not modelled: a tail of more than
+# A sum over some axes of several is one all-reduce per axis, made one after the
+# other, the last axis first (NOTE [Chained reductions]): each is pooled over its axis.
+# Not modelled: a tail of more than
 # one bucket's bytes (DEFAULT_BUCKET_BYTES) pays one latency per bucket; the pool
 # charges one, where the bytes dominate the price. And a value's reduction is pooled
 # at its first reader, though a later reader may be the one that needs it reduced.
@@ -107,7 +108,8 @@ class Infeasible(Exception):
 class Edge:
     """A value read by a unit's input: ``cost[k][s]`` the move's price from the
     producer's strategy k to the reader's s, less the latency pooled in
-    ``pools[k][s]`` (NOTE [Reductions are bucketed]): ``(pool key, latency)`` or None."""
+    ``pools[k][s]`` (NOTE [Reductions are bucketed]): ``((pool key, latency), ...)``, one
+    per all-reduce the move is, or None."""
 
     reader: int
     input: int
@@ -117,15 +119,16 @@ class Edge:
 
 
 def _reduction(model, p, q, mesh_shape):
-    """The group and latency of the move p -> q where it is one all-reduce: over one
-    axis, and no other change, or over every axis of the mesh at once; else None."""
+    """``((group, latency), ...)``, one per all-reduce the move p -> q is: over every
+    axis of the mesh at once, or one per axis where the sum is pending over some axes
+    and made replicated there, and nothing else moves; else None."""
     if one_reduction(p, q, mesh_shape):
-        return "mesh", model.collective_seconds("all_reduce", 0, math.prod(mesh_shape))
+        return (("mesh", model.collective_seconds("all_reduce", 0, math.prod(mesh_shape))),)
     changed = [(i, size, a, b) for i, (size, a, b) in enumerate(zip(mesh_shape, p, q))
                if a != b and size > 1]
-    if len(changed) == 1 and changed[0][2].is_partial() and changed[0][3].is_replicate():
-        return changed[0][0], model.collective_seconds("all_reduce", 0, changed[0][1])
-    return None
+    if not changed or not all(a.is_partial() and b.is_replicate() for _, _, a, b in changed):
+        return None
+    return tuple((i, model.collective_seconds("all_reduce", 0, size)) for i, size, _, _ in changed)
 
 
 _HEAVY = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::convolution",
@@ -171,9 +174,9 @@ def edge_costs(units: list[Unit], model, mesh_shape, order: dict) -> list[Edge]:
                     if red is False:
                         red = reductions[(p, q)] = _reduction(model, p, q, mesh_shape)
                     if red is not None:
-                        group, latency = red
-                        pools[a][b] = ((*where, group, val.dtype), latency)
-                        c = max(0.0, c - latency)
+                        pools[a][b] = tuple(((*where, group, val.dtype), latency)
+                                            for group, latency in red)
+                        c = max(0.0, c - sum(latency for _, latency in red))
                     cost[a, b] = c
             out.append(Edge(n, j, u, cost, pools))
     return out
@@ -254,8 +257,8 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
                     term = tuple(offset[u] + k for k in range(len(units[u].strategies)))
                 if cost > 0.0:
                     moves.setdefault((u, o, pkey, qkey), []).append((cost, term))
-                if pool is not None:
-                    pooled.setdefault(pool[0], (pool[1], []))[1].append(term)
+                for key, latency in pool or ():
+                    pooled.setdefault(key, (latency, []))[1].append(term)
     # a move several readers need, and a pool of latencies, are paid once: a continuous
     # z >= the term of each, at its price (a move's price is the same for every reader:
     # it depends on the value and the two layouts alone)

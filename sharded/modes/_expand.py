@@ -213,14 +213,16 @@ class Expander(fx.Interpreter):
         return self.globals_of([out], [placements], [x.shape])[0]
 
     def _reduced_axis_by_axis(self, x: DTensor, placements: tuple) -> DTensor | None:
-        """``x``, a sum pending over several axes of the mesh but not every one, made
-        replicated over them and nothing else moved: one all-reduce per axis, from
-        the last axis to the first, the order DataParallelMode reduces its data axes
-        in (NOTE [HSDP] in data_parallel.py), where DTensor takes the first axis first.
-        So the same layouts give the same program, and the passes chain the two
-        reductions (NOTE [Chained reductions] in sharded/passes/bucketing.py). None
-        for any other move."""
+        """``x``, a sum pending over several axes of the mesh (not every one, or every
+        one where the mesh has no group of its own: a pipeline stage's submesh), made
+        replicated over them and nothing else moved: one all-reduce per axis, from the
+        last axis to the first, where DTensor takes the first axis first.
+        DataParallelMode's reductions come here too, so the same layouts give the same
+        program, and the passes chain two such reductions (NOTE [Chained reductions]
+        in sharded/passes/bucketing.py). None for any other move."""
         src = tuple(x.placements)
+        if len(src) != len(placements):
+            return None
         changed = [i for i, (a, b) in enumerate(zip(src, placements)) if a != b]
         if len(changed) < 2 or not all(
                 _torch.is_plain_partial(src[i]) and src[i].reduce_op == "sum"

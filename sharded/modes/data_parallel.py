@@ -600,8 +600,11 @@ class _DataParallelPolicy(LayoutPolicy):
         pending = [i for i, p in enumerate(pls) if (i in self.dps or others) and _torch.is_partial(p)]
         for i in pending:
             pls[i] = target[i]
-        if len(pending) == len(pls) and all(isinstance(p, Replicate) for p in pls):
-            return ex.redistribute(a, pls)  # over every mesh axis: one all-reduce where it can
+        if all(isinstance(pls[i], Replicate) for i in pending):
+            # over every mesh axis: one all-reduce where it can; over some: one per
+            # axis, in the expander's order (Expander._reduced_axis_by_axis), whichever
+            # order the mode's axes are named in
+            return ex.redistribute(a, pls)
         rep = self.dps[0] if len(self.dps) > 1 else None
         if rep in pending and len(pending) > 1:
             # NOTE [HSDP]: reduced (reduce-scattered) over the other axes first, then

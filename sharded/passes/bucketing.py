@@ -457,7 +457,11 @@ def regather_distant_uses(gm: fx.GraphModule) -> fx.GraphModule:
 # reductions bucket in backward order and the second ones bucket together;
 # ``hoist_chained_reductions``, after the waits are placed, issues each second
 # bucket as soon as its input exists (right after the first bucket's wait), so it
-# overlaps the rest of the backward, in the order the ranks issued them.
+# overlaps the rest of the backward, in the order the ranks issued them. (It issues
+# early any reduction computed from other reductions' results alone, with the pure
+# ops between: a clipped step's global norm, all-reduced over "tp", moves up with its
+# squares and sums; the collectives keep their order.) A chain is two reductions: a
+# sum over three axes of four is three, and only its last axis's are bucketed.
 
 
 def _chain(r2: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
