@@ -392,10 +392,16 @@ def sign_test(wins: int, n: int) -> float:
     return min(1.0, 2 * sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n)
 
 
+def rounds_won(a: list[float], b: list[float]) -> tuple[int, int]:
+    """The paired rounds in which ``a`` was faster than ``b``, and slower (ties in
+    neither)."""
+    return sum(x < y for x, y in zip(a, b)), sum(x > y for x, y in zip(a, b))
+
+
 def told_apart(a: list[float], b: list[float]) -> int:
     """-1 where the rounds say ``a`` is faster, 1 where ``b`` is, 0 where they do not
     tell them apart (NOTE [Orders the rounds can tell apart]; tied rounds left out)."""
-    wins, losses = sum(x < y for x, y in zip(a, b)), sum(x > y for x, y in zip(a, b))
+    wins, losses = rounds_won(a, b)
     if sign_test(wins, wins + losses) >= SIGN_TEST_P:
         return 0
     return -1 if wins > losses else 1
@@ -440,8 +446,7 @@ def _table(layout: str, name: str, per_rank: list[dict], a: dict) -> dict:
                               "predicted_alike": g_pred[fast] <= g_pred[slow]})
     vs_best = None
     if best and "auto" in ms and r0.get("program", {}).get("auto") != r0.get("program", {}).get(best):
-        wins = sum(x < y for x, y in zip(rounds["auto"], rounds[best]))
-        losses = sum(x > y for x, y in zip(rounds["auto"], rounds[best]))
+        wins, losses = rounds_won(rounds["auto"], rounds[best])
         vs_best = {"auto_faster_rounds": wins, "rounds": len(rounds["auto"]),
                    "p": sign_test(wins, wins + losses),
                    "auto_slower": told_apart(rounds["auto"], rounds[best]) > 0}

@@ -99,10 +99,10 @@ class Infeasible(Exception):
 #   logits at ws2 for cheaper than DDP, which its predictor put the other way).
 # A sum over some axes of several is one all-reduce per axis, made one after the
 # other, the last axis first (NOTE [Chained reductions]): each is pooled over its axis.
-# Not modelled: a tail of more than
-# one bucket's bytes (DEFAULT_BUCKET_BYTES) pays one latency per bucket; the pool
-# charges one, where the bytes dominate the price. And a value's reduction is pooled
-# at its first reader, though a later reader may be the one that needs it reduced.
+# Not modelled: a tail of more than one bucket's bytes (DEFAULT_BUCKET_BYTES) pays one
+# latency per bucket, where the pool charges one (the bytes dominate the price there);
+# and a value's reduction is pooled at its first reader, though a later reader may be
+# the one that needs it reduced.
 
 @dataclass
 class Edge:
@@ -261,8 +261,8 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
                     pooled.setdefault(key, (latency, []))[1].append(term)
     # a move several readers need, and a pool of latencies, are paid once: a continuous
     # z >= the term of each, at its price (a move's price is the same for every reader:
-    # it depends on the value and the two layouts alone)
-    # the tail's pools are priced after the solve (NOTE [Reductions are bucketed])
+    # it depends on the value and the two layouts alone). The tail's pools are priced
+    # after the solve (NOTE [Reductions are bucketed]).
     tail = [pool for key, pool in pooled.items() if key[0] == "tail"]
     for price, terms in [(terms[0][0], [t for _, t in terms])
                          for terms in moves.values()] + [

@@ -415,8 +415,9 @@ def _path(node: fx.Node) -> str:
 # ``"replicate"`` with a pair is DDP over both axes (kept rather than rejected: a
 # torchtitan-style mesh switches layouts without a new mesh): a sum pending over every
 # axis of the mesh is one all-reduce over the world (NOTE [One reduction over every
-# mesh axis]); beside "tp" (two of three axes), one all-reduce per axis, the
-# "dp_shard" one first. A mean loss's pending divisor (its count of targets) is
+# mesh axis]); beside "tp" (two of three axes), one all-reduce per axis, the later
+# mesh axis first, as the expander reduces any such sum (the program
+# DTensorExpandMode lowers from the same layouts). A mean loss's pending divisor (its count of targets) is
 # reduced before the division and its numerator travels (a division is linear in
 # its numerator): DTensor's plan for a sum over a count, both pending, reduced the
 # count one axis after the other.
