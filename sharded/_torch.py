@@ -861,7 +861,7 @@ def abstract_device_mesh(shape, axis_names, rank: int, device_type: str):
 # (no group to create, nothing communicated); over every axis of an abstract mesh, a
 # fake group of the mesh's size. Other sets of axes keep the reductions in sequence.
 # The expander's redistribute takes this group for every mode and every move
-# (``Expander._reduced_over_mesh`` in sharded/modes/_expand.py).
+# (``Expander._reduced`` in sharded/modes/_expand.py).
 def mesh_group(device_mesh) -> str | None:
     """The name of a process group over every rank of ``device_mesh`` that exists
     without communicating (NOTE [One reduction over every mesh axis]), or None."""

@@ -186,40 +186,25 @@ class Expander(fx.Interpreter):
         done = self._redistributed.get(key)
         if done is not None and done[0] is x:
             return done[1]
-        y = self._reduced_over_mesh(x, placements)
-        if y is None:
-            y = self._reduced_axis_by_axis(x, placements)
+        y = self._reduced(x, placements)
         if y is None:
             y = _torch.redistribute_untracked(x, placements)
         self._redistributed[key] = (x, y)
         return y
 
-    def _reduced_over_mesh(self, x: DTensor, placements: tuple) -> DTensor | None:
-        """``x``, a sum pending over every axis of the mesh, made replicated in one
+    def _reduced(self, x: DTensor, placements: tuple) -> DTensor | None:
+        """``x``, a sum pending over several axes of the mesh, made replicated over them
+        and nothing else moved; None for any other move. Over every axis: one
         all-reduce over the mesh's group, not one per axis (NOTE [One reduction over
-        every mesh axis] in _torch.py); None for any other move. Every redistribute
-        the expander makes comes here (the modes' policies, sharding constraints,
+        every mesh axis] in _torch.py). Over some (or over every one where the mesh
+        has no group of its own: a pipeline stage's submesh): one all-reduce per axis,
+        from the last axis to the first, where DTensor takes the first axis first; the
+        passes chain two such reductions (NOTE [Chained reductions] in
+        sharded/passes/bucketing.py). Every redistribute the expander makes comes here
+        (the modes' policies, DataParallelMode's reductions, sharding constraints,
         out_specs), so the same layouts give the same program; DTensor's own, inside
         an op, do not: the policies reduce a pending sum before any op not linear in
         it."""
-        if len(placements) < 2 or not all(isinstance(p, Replicate) for p in placements) \
-                or not all(_torch.is_plain_partial(p) and p.reduce_op == "sum" for p in x.placements):
-            return None
-        group = _torch.mesh_group(self.mesh.device_mesh)
-        if group is None:
-            return None
-        local = _torch.local_tensor(x).contiguous()
-        out = _F.wait_tensor.default(_F.all_reduce.default(local, "sum", group))
-        return self.globals_of([out], [placements], [x.shape])[0]
-
-    def _reduced_axis_by_axis(self, x: DTensor, placements: tuple) -> DTensor | None:
-        """``x``, a sum pending over several axes of the mesh (not every one, or every
-        one where the mesh has no group of its own: a pipeline stage's submesh), made
-        replicated over them and nothing else moved: one all-reduce per axis, from the
-        last axis to the first, where DTensor takes the first axis first.
-        DataParallelMode's reductions come here too, so the same layouts give the same
-        program, and the passes chain two such reductions (NOTE [Chained reductions]
-        in sharded/passes/bucketing.py). None for any other move."""
         src = tuple(x.placements)
         if len(src) != len(placements):
             return None
@@ -228,6 +213,11 @@ class Expander(fx.Interpreter):
                 _torch.is_plain_partial(src[i]) and src[i].reduce_op == "sum"
                 and isinstance(placements[i], Replicate) for i in changed):
             return None
+        group = _torch.mesh_group(self.mesh.device_mesh) if len(changed) == len(src) else None
+        if group is not None:
+            local = _torch.local_tensor(x).contiguous()
+            out = _F.wait_tensor.default(_F.all_reduce.default(local, "sum", group))
+            return self.globals_of([out], [placements], [x.shape])[0]
         pls = list(src)
         for i in reversed(changed):
             pls[i] = Replicate()

@@ -603,7 +603,7 @@ class _DataParallelPolicy(LayoutPolicy):
             pls[i] = target[i]
         if all(isinstance(pls[i], Replicate) for i in pending):
             # over every mesh axis: one all-reduce where it can; over some: one per
-            # axis, in the expander's order (Expander._reduced_axis_by_axis), whichever
+            # axis, in the expander's order (Expander._reduced), whichever
             # order the mode's axes are named in
             return ex.redistribute(a, pls)
         rep = self.dps[0] if len(self.dps) > 1 else None
