@@ -604,6 +604,24 @@ def test_reductions_the_passes_merge_pay_one_latency():
     assert lowered.auto["moves_s"] == pytest.approx(predict(lowered, model)["comm_s"], rel=1e-6)
     assert "latency of 1 torch.float32 all-reduce(s) over 'tp', merged  at gelu's inputs" \
         in lowered.explain()
+    # three gradients scaled by a learning rate, each read by its own update: one bucket
+    # at the tail, as priced (the program reduced each before its update, three
+    # all-reduces, and paid twice the latency the solver charged: NOTE [Reductions as
+    # soon as their gradient exists] in sharded/passes/bucketing.py)
+
+    def sgd(p, x, t):
+        def loss(p):
+            return F.cross_entropy(torch.relu(torch.relu(x @ p["a"]) @ p["b"]) @ p["c"], t)
+        g, value = torch.func.grad_and_value(loss)(p)
+        return {k: w - 0.1 * g[k] for k, w in p.items()}, value
+
+    params = {"a": torch.empty(32, 64), "b": torch.empty(64, 64), "c": torch.empty(64, 8)}
+    lowered = pjit(sgd, in_specs=(AUTO, P("dp"), P("dp")), out_specs=(AUTO, P()), mesh=mesh,
+                   cost_model=model).lower(params, torch.empty(16, 32),
+                                           torch.zeros(16, dtype=torch.long))
+    assert lowered.in_specs[0] == {k: P() for k in params}, lowered.in_specs
+    assert [c.kind for c in lowered.collectives()] == ["all_reduce"] * 2
+    assert lowered.auto["moves_s"] == pytest.approx(predict(lowered, model)["comm_s"], rel=1e-6)
     # a sum over two axes of three is one all-reduce per axis, each axis's bucketed
     # (NOTE [Chained reductions]): two gradients pay their bytes and one latency per axis
     two = (Partial(), Partial(), Replicate())

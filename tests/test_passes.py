@@ -1,5 +1,6 @@
 """Graph passes: CSE merges duplicate pure ops (and collectives), never random ops."""
 
+import functools
 import itertools
 
 import torch
@@ -135,6 +136,47 @@ def test_hoisted_reductions_stay_after_their_inputs():
     # every gradient is reduced once (bucketed), none twice
     reduced = sum(math.prod(c.shape) for c in low.backward.collectives() if c.kind == "all_reduce")
     assert reduced == sum(t.numel() for t in optree.tree_leaves(params))
+
+
+def test_reductions_move_up_with_their_scaling_and_keep_their_order():
+    """NOTE [Reductions as soon as their gradient exists], on a graph written out: two
+    gradients, b's produced before a's, updated as ``p - 0.1 * g`` in the order a, b.
+    Each scaling moves up with its all-reduce to where its gradient exists, a's
+    all-reduce stays first (the order is the same on every rank, where positions need
+    not be), and nothing reads a result between the two: they merge into one bucket."""
+    import torch.fx as fx
+
+    from sharded._torch import WAIT_OP, c10d_functional
+    from sharded.passes import bucket_all_reduces, hoist_reductions
+
+    aten = torch.ops.aten
+    with torch._subclasses.FakeTensorMode():
+        g = fx.Graph()
+        pa, pb, x = (g.placeholder(n) for n in ("pa", "pb", "x"))
+
+        def op(target, *args):
+            n = g.call_function(target, args)
+            n.meta["val"] = torch.empty(8)
+            return n
+        for n in (pa, pb, x):
+            n.meta["val"] = torch.empty(8)
+        grad_b = op(aten.mul.Tensor, x, pb)          # b's gradient first (backward order)
+        grad_a = op(aten.mul.Tensor, grad_b, pa)
+        outs = []
+        for p, grad in ((pa, grad_a), (pb, grad_b)):
+            scaled = op(aten.mul.Tensor, grad, 0.1)
+            reduced = op(WAIT_OP, op(c10d_functional.all_reduce.default, scaled, "sum", "g"))
+            outs.append(op(aten.sub.Tensor, p, reduced))
+        g.output(tuple(outs))
+    gm = hoist_reductions(fx.GraphModule(torch.nn.Module(), g))
+    gm.graph.lint()
+    names = [n.name for n in gm.graph.nodes]
+    ars = [n for n in gm.graph.nodes if n.target is c10d_functional.all_reduce.default]
+    assert [a.args[0].args[0] for a in ars] == [grad_a, grad_b], names   # a's, then b's
+    assert all(a.prev is a.args[0] for a in ars), names                    # each scaling with it
+    assert names.index(ars[-1].name) < min(names.index(n) for n in names if n.startswith("wait")), " ".join(names)
+    bucket_all_reduces(gm)
+    assert _count(gm, "all_reduce") == 1, gm.graph
 
 
 # -- units, buckets and reduce-scatters in flight (NOTE [Bucketing]) ---------------------------
@@ -483,7 +525,10 @@ def test_gradient_buckets_do_not_depend_on_the_optimizer():
     GPT where sharded.optim.adamw and DTensorExpandMode had 3. Every gradient is
     reduced once, where it is produced, and both optimizers give the same buckets:
     all-reduces ("replicate", as DTensorExpandMode with replicated specs) and
-    reduce-scatters ("shard")."""
+    reduce-scatters ("shard"). Plain SGD as a JAX user writes it, ``p - lr * g`` per
+    parameter, reduced each gradient after its scaling, just before its update, in the
+    optimizer's order: 25 all-reduces (24 reduce-scatters under "shard") where ``p - g``
+    had 2 (NOTE [Reductions as soon as their gradient exists])."""
     import math
 
     import optree
@@ -510,7 +555,14 @@ def test_gradient_buckets_do_not_depend_on_the_optimizer():
             return (*update(p, grads, o), value)
         return step
 
-    optimizers = {"per_tensor": per_tensor_adamw, "optim.adamw": optim.adamw}
+    def sgd(p, g, o):                 # as with jax.tree.map: scaled, then subtracted
+        return {k: v - 0.1 * g[k] for k, v in p.items()}, o
+
+    def sgd_unscaled(p, g, o):
+        return {k: v - g[k] for k, v in p.items()}, o
+
+    optimizers = {"per_tensor": per_tensor_adamw, "optim.adamw": optim.adamw, "sgd": sgd,
+                  "sgd_unscaled": sgd_unscaled, "optim.sgd": functools.partial(optim.sgd, lr=0.1)}
     modes = {"replicate": DataParallelMode("replicate"), "shard": DataParallelMode("shard"),
              "expand": DTensorExpandMode()}
     counts, reduced = {}, {}
@@ -523,8 +575,8 @@ def test_gradient_buckets_do_not_depend_on_the_optimizer():
                                      for k in ("all_reduce", "reduce_scatter"))
         reduced[mname, oname] = sum(math.prod(c.shape) for c in low.collectives()
                                     if c.kind in ("all_reduce", "reduce_scatter"))
-    assert counts["replicate", "per_tensor"] == counts["replicate", "optim.adamw"], counts
-    assert counts["shard", "per_tensor"] == counts["shard", "optim.adamw"], counts
+    for mname in modes:
+        assert len({counts[mname, oname] for oname in optimizers}) == 1, counts
     assert counts["replicate", "optim.adamw"][0] <= 3, counts
     n = sum(t.numel() for t in params.values())
     for oname in optimizers:

@@ -18,7 +18,10 @@ from sharded import Mesh, P, checkpoint_name, gather, pjit, remat, remat_policie
 from sharded._remat import BARRIER_OP
 from sharded.modes import DataParallelMode, DTensorExpandMode
 
-V, T, D, L, B = 16, 8, 16, 3, 4
+# a batch large enough that activations, not the gradient bucket, make the peak:
+# at batch 4 the SGD step's one bucket of every gradient (its concatenation beside
+# the gradients, NOTE [Bucketing]) was the peak of every program, remat or not
+V, T, D, L, B = 16, 8, 16, 3, 8
 NO_REMAT = "no remat"
 aten = torch.ops.aten
 

@@ -170,11 +170,11 @@ def unit_of_path(path: str | None) -> str | None:
 
 
 def _source(node) -> fx.Node | None:
-    """The input a gather's operand is a pure one-input chain of (views, copies) of."""
+    """The input that ``node`` is made of by a chain of pure one-input ops (views,
+    copies: a gather's operand, a loss's targets), or None."""
     while isinstance(node, fx.Node) and node.op == "call_function":
         ins = node.all_input_nodes
-        if len(ins) != 1 or not _is_pure(node.target) or node.target in _torch.COLLECTIVE_OPS \
-                or node.target is _WAIT:
+        if len(ins) != 1 or not _movable_op(node):
             return None
         node = ins[0]
     return node if isinstance(node, fx.Node) and node.op == "placeholder" else None
@@ -274,8 +274,7 @@ def _movable(node, limit: int, pos: dict) -> bool:
     """Can ``node`` (with the pure ops it needs) be computed before position ``limit``?"""
     if not isinstance(node, fx.Node) or pos[node] < limit or node.op in ("placeholder", "get_attr"):
         return True
-    if node.op != "call_function" or not _is_pure(node.target) or node.target in _torch.COLLECTIVE_OPS \
-            or node.target is _WAIT:
+    if not _movable_op(node):
         return False
     return all(_movable(a, limit, pos) for a in node.all_input_nodes)
 
@@ -345,6 +344,13 @@ def _merge(gm: fx.GraphModule, bucket: list[fx.Node]) -> None:
         g.erase_node(n)
 
 
+def _movable_op(n: fx.Node) -> bool:
+    """Is ``n`` a pure op that the scheduling passes may move (no collective, wait,
+    random or mutating op)?"""
+    return (n.op == "call_function" and _is_pure(n.target) and n.target not in _torch.COLLECTIVE_OPS
+            and n.target is not _WAIT)
+
+
 def move_before(node, anchor: fx.Node, order: dict) -> bool:
     """Move ``node`` (and the pure ops it needs) up to just before ``anchor``, if it is
     not there already; False if something it needs cannot move (a collective, a wait,
@@ -354,8 +360,7 @@ def move_before(node, anchor: fx.Node, order: dict) -> bool:
         return False
     if not isinstance(node, fx.Node) or order[node] < order[anchor] or node.op in ("placeholder", "get_attr"):
         return True
-    if node.op != "call_function" or not _is_pure(node.target) or node.target in _torch.COLLECTIVE_OPS \
-            or node.target is _WAIT:
+    if not _movable_op(node):
         return False
     if not all(move_before(a, anchor, order) for a in node.all_input_nodes):
         return False
@@ -364,14 +369,45 @@ def move_before(node, anchor: fx.Node, order: dict) -> bool:
     return True
 
 
+# NOTE [Reductions as soon as their gradient exists]
+# ``hoist_reductions`` moves each all-reduce and reduce-scatter up to where the value
+# it reduces can first be computed. A gradient's reduction then sits where the
+# backward produced it: the bucketing pass merges consecutive reductions while none
+# of their results is read yet, and the rest of the backward overlaps them.
+# - A reduction the expansion emitted where an output is laid out (a gradient of
+#   pjit's backward program, reduced to its parameter's layout at the end) moves back
+#   to where the gradient is produced.
+# - A reduction moves with the pure ops that compute its input for it alone (each
+#   read only by the next). In ``p - lr * g`` (the update a JAX user writes with
+#   tree_map) the gradient travels pending through the scaling, and the expansion
+#   reduces it just before the subtraction, in the optimizer's order. Moved alone,
+#   each reduction stayed there, each update read its result before the next one was
+#   issued, and none merged: 25 all-reduces a step for a 24-tensor GPT under every
+#   mode (24 reduce-scatters under "shard"), where ``p - g`` and ``sharded.optim``
+#   gave 2.
+# - Reductions keep their order: each also goes behind the one before it. The order
+#   in which the expansion emits collectives is the same on every rank; where ops sit
+#   need not be. Ordered by where their inputs exist instead, the ranks of
+#   examples/gpt_train.py's 2x2 large-run step (sequence-parallel over "tp", "shard"
+#   over "dp", bf16, remat) issued a "tp" and a "dp" reduce-scatter in opposite
+#   orders, and the call stopped with a RankMismatchError. So ``p - lr * g``
+#   reduces in the optimizer's order: merged, but a bucket leaves behind the latest
+#   gradient among its members and those before them, where ``p - g`` reduces in
+#   backward order, overlapped by more of the backward.
+# - The ops stay where they are, and the reduction only follows them, where they
+#   compute its input from one input alone (a loss's count of targets, from a view of
+#   the targets, which ``count_targets_early`` put halfway through the forward, so that
+#   it overlaps the call's agreement: at the start, the agreement would be waited for
+#   at once), or from another collective's result (the squares of reduce-scattered
+#   gradients summed for a clipped step's global norm: moved up behind that result,
+#   they sat between two reduce-scatters of one bucket and split it, 18 a step for 1;
+#   NOTE [Chained reductions] places those).
+
 def hoist_reductions(gm: fx.GraphModule) -> fx.GraphModule:
-    """Issue each all-reduce and reduce-scatter as soon as its input exists (NOTE
-    [Overlap]), keeping their order: a reduction that the expansion emitted where an
-    output is laid out (a gradient of pjit's backward program, reduced to its
-    parameter's layout at the end) moves back to where the gradient is produced, so
-    the bucketing pass can merge the reductions and the rest of the program overlaps
-    them. Its wait stays where it is. Gathers are not hoisted (that would gather
-    every parameter at once; ``prefetch_all_gathers`` schedules them)."""
+    """Issue each all-reduce and reduce-scatter as soon as its input can be computed
+    (NOTE [Reductions as soon as their gradient exists]). Its wait stays where it is.
+    Gathers are not hoisted (that would gather every parameter at once;
+    ``prefetch_all_gathers`` schedules them)."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     inputs = [n for n in nodes if n.op == "placeholder"]
@@ -379,18 +415,39 @@ def hoist_reductions(gm: fx.GraphModule) -> fx.GraphModule:
     for n in nodes:
         if n.op != "call_function" or n.target not in (_ALL_REDUCE, _REDUCE_SCATTER):
             continue
-        last = max(n.all_input_nodes + ([anchor] if anchor is not None else []),
-                   key=lambda a: pos[a])
-        if last.op == "placeholder":
-            last = inputs[-1]
-        if last.next is not n:
-            last.append(n)
-            # exact positions again: fractional ones (pos[last] + 0.5) collide once
-            # several reductions move behind one node, and a later reduction could
-            # then be placed before its own input
-            pos = {m: i for i, m in enumerate(gm.graph.nodes)}
+        chain = _feeding_chain(n, pos)
+        needed = {a for m in (*chain, n) for a in m.all_input_nodes} - set(chain)
+        if chain and (all(_source(a) is not None for a in needed)
+                      or any(a.target is _WAIT for a in needed)):
+            chain, needed = [], set(n.all_input_nodes)     # it stays; the reduction follows
+        at = max(needed | ({anchor} if anchor is not None else set()), key=pos.__getitem__)
+        if at.op == "placeholder":
+            at = inputs[-1]
         anchor = n
+        if pos[at] >= pos[n]:
+            continue                        # nowhere earlier to go
+        for m in (*chain, n):
+            if pos[m] > pos[at]:            # (a chain's op already earlier stays)
+                at.append(m)
+                at = m
+        # exact positions again: fractional ones collide once several reductions move
+        # behind one node, and a later reduction could then be placed before its input
+        pos = {m: i for i, m in enumerate(gm.graph.nodes)}
     return gm
+
+
+def _feeding_chain(reduction: fx.Node, pos: dict) -> list[fx.Node]:
+    """The pure ops that compute ``reduction``'s input for it alone (each read by the
+    next one only: a gradient scaled by the learning rate, viewed, cast), in program
+    order; they move with it."""
+    chain: set[fx.Node] = set()
+    todo = list(reduction.all_input_nodes)
+    while todo:
+        a = todo.pop()
+        if a not in chain and len(a.users) == 1 and _movable_op(a):
+            chain.add(a)
+            todo.extend(a.all_input_nodes)
+    return sorted(chain, key=pos.__getitem__)
 
 
 def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
@@ -560,8 +617,7 @@ def _impure_sources(node) -> tuple[list[fx.Node], set[fx.Node]]:
         if not isinstance(n, fx.Node) or n in seen:
             continue
         seen.add(n)
-        if n.op == "call_function" and _is_pure(n.target) and n.target not in _torch.COLLECTIVE_OPS \
-                and n.target is not _WAIT:
+        if _movable_op(n):
             todo.extend(n.all_input_nodes)
         else:
             out.append(n)

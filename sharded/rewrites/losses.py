@@ -273,7 +273,7 @@ def count_targets_early(gm: fx.GraphModule) -> fx.GraphModule:
         count.meta["val"] = torch.empty_like(cval)     # a tensor of its own
         counts[0].replace_all_uses_with(count)
         g.erase_node(counts[0])
-        for u in list(count.users):      # its all-reduce first (hoist_reductions keeps the order)
+        for u in list(count.users):      # its all-reduce right after it (hoist_reductions leaves it)
             if u.target in _torch.COLLECTIVE_OPS:
                 count.append(u)
     return gm
