@@ -233,13 +233,26 @@ def functional_fingerprint(loss, params, opt_state) -> dict:
 
 
 def optimizer_fingerprint(loss, opt: torch.optim.Optimizer) -> dict:
-    """``fingerprint`` of a row stepped by ``torch.optim.AdamW`` ``opt``."""
+    """``fingerprint`` of a row stepped by ``torch.optim.AdamW`` (or ``SGDSteps``: no
+    moments) ``opt``."""
     ps = [p for g in opt.param_groups for p in g["params"]]
     steps = {int(float(_full(torch.as_tensor(opt.state[p]["step"])))) for p in ps}
     if len(steps) != 1:
         raise DifferentWork(f"the parameters of one optimizer took different numbers of steps: {steps}")
-    return fingerprint(loss, ps, [opt.state[p]["exp_avg"] for p in ps],
-                       [opt.state[p]["exp_avg_sq"] for p in ps], steps.pop())
+    moments = [[opt.state[p][k] for p in ps if k in opt.state[p]] for k in ("exp_avg", "exp_avg_sq")]
+    return fingerprint(loss, ps, *moments, steps.pop())
+
+
+class SGDSteps(torch.optim.SGD):
+    """``torch.optim.SGD`` that counts its steps in each parameter's state, as AdamW
+    does (the same-work check compares step counts)."""
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["step"] = self.state[p].get("step", 0) + 1
+        return out
 
 
 def same_work(rows: dict[str, dict], reference: dict, rtol: float = SAME_WORK_RTOL) -> dict:
@@ -457,6 +470,14 @@ def peak_resident_bytes(fn) -> int:
     base = _status_bytes("VmRSS:")
     fn()
     return _status_bytes("VmHWM:") - base
+
+
+def per_tensor_sgd(params: dict, grads: dict, state: dict, lr: float = 1e-2):
+    """SGD as a JAX user writes it with ``tree_map``: ``p - lr * g`` for each parameter
+    of a flat dict (``torch.optim.SGD``'s math). ``state`` from
+    ``sharded.optim.adamw_init`` (its moments unused, its step counted, so that the
+    same-work check reads it as AdamW's); returns ``(params, state)``."""
+    return {k: p - lr * grads[k] for k, p in params.items()}, {**state, "step": state["step"] + 1}
 
 
 def per_tensor_adamw(params: dict, grads: dict, state: dict, lr: float = 1e-3, betas=(0.9, 0.999),

@@ -28,6 +28,10 @@ Modes (every one: forward, backward, AdamW):
 a pure per-parameter update (``_models.per_tensor_adamw``: elementwise ops on each parameter
 in turn), the torch rows ``torch.optim.AdamW(foreach=False)`` (the same math, one
 parameter at a time); it writes ``benchmarks/results/data_parallel_per_tensor.json``.
+``--optimizer per-tensor-sgd`` runs SGD the same way: ``p - lr * g`` for each parameter
+(``_models.per_tensor_sgd``, as a JAX user writes it with ``tree_map``) against
+``torch.optim.SGD(foreach=False)``; it writes
+``benchmarks/results/data_parallel_per_tensor_sgd.json``.
 The default, ``fused``, steps ``sharded.optim.adamw`` and ``torch.optim.AdamW(fused=True)``
 (one kernel).
 
@@ -95,21 +99,26 @@ def flat_dict(tree):
     return dict(zip(keys, leaves)), lambda d: optree.tree_unflatten(treedef, [d[k] for k in keys])
 
 
-def _per_tensor(spec: dict) -> dict:
+def _per_tensor(spec: dict, optimizer: str) -> dict:
     """``spec`` with its functional rows on a flat dict of dotted keys, stepped by
-    ``per_tensor_adamw``, and its torch rows by ``torch.optim.AdamW(foreach=False)``."""
+    ``per_tensor_adamw`` (``optimizer`` "per-tensor") or ``per_tensor_sgd``
+    ("per-tensor-sgd"), and its torch rows by ``torch.optim.AdamW(foreach=False)`` or
+    ``torch.optim.SGD(foreach=False)``, the same math."""
     params, unflat = flat_dict(spec["params"])
     loss_fn = spec["loss_fn"]
+    update = M.per_tensor_sgd if optimizer == "per-tensor-sgd" else M.per_tensor_adamw
 
     def flat_loss(p, x, y):
         return loss_fn(unflat(p), x, y)
 
     def step(p, o, x, y):
         grads, loss = torch.func.grad_and_value(flat_loss)(p, x, y)
-        p, o = M.per_tensor_adamw(p, grads, o)
+        p, o = update(p, grads, o)
         return p, o, loss
 
     def torch_opt(ps):
+        if optimizer == "per-tensor-sgd":
+            return M.SGDSteps(list(ps), lr=1e-2, foreach=False)
         return torch.optim.AdamW(list(ps), lr=1e-3, weight_decay=1e-2, foreach=False, fused=False)
     return {**spec, "params": params, "step": step, "loss_fn": flat_loss, "torch_opt": torch_opt}
 
@@ -118,7 +127,7 @@ def _model(a: dict, name: str):
     """(functional params, step fn, loss of a module, module factory, batch, static args,
     FSDP units of a module, the torch rows' optimizer)."""
     spec = _model_fused(a, name)
-    return _per_tensor(spec) if a.get("optimizer") == "per-tensor" else spec
+    return spec if a.get("optimizer", "fused") == "fused" else _per_tensor(spec, a["optimizer"])
 
 
 def _model_fused(a: dict, name: str):
@@ -335,15 +344,18 @@ def main(argv=None):
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--bucket-mib", type=float, default=None,
                     help="bucket_bytes of the pjit rows in MiB (default: DataParallelMode's)")
-    ap.add_argument("--optimizer", choices=("fused", "per-tensor"), default="fused",
+    ap.add_argument("--optimizer", choices=("fused", "per-tensor", "per-tensor-sgd"), default="fused",
                     help="the rows' AdamW (see the module docstring)")
     ap.add_argument("--no-compile", dest="compile", action="store_false",
                     help="skip the compile-time comparison")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/data_parallel.json "
-                    "(data_parallel_per_tensor.json with --optimizer per-tensor)")
+                    "(data_parallel_per_tensor.json with --optimizer per-tensor, "
+                    "data_parallel_per_tensor_sgd.json with per-tensor-sgd)")
     args = ap.parse_args(argv)
     if args.out is None:
-        name = "data_parallel_per_tensor.json" if args.optimizer == "per-tensor" else "data_parallel.json"
+        name = {"per-tensor": "data_parallel_per_tensor.json",
+                "per-tensor-sgd": "data_parallel_per_tensor_sgd.json"}.get(args.optimizer,
+                                                                           "data_parallel.json")
         args.out = os.path.join(ROOT, "benchmarks", "results", name)
     a = {k: getattr(args, k) for k in ("vocab", "d_model", "heads", "layers", "batch", "seq",
                                        "mlp_width", "mlp_layers", "mlp_batch", "warmup", "iters",
