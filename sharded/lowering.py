@@ -5,6 +5,7 @@ rank runs. One pipeline serves pjit's forward, its backward and shard_map's ``.l
     trace            sharded/_trace.py          make_fx of the function (joint, under grad)
     rewrites         sharded/random/rewrite.py  random ops -> counter-based draws
                      sharded/rewrites/losses.py    a mean over a split batch -> sum / count
+                     sharded/rewrites/algebra.py   x + 0 -> x
     decide + apply   sharded/modes/             the mode lays out every value and expands
                                                 the graph for this rank (``partition``)
     passes           sharded/modes/             the mode's declared pass list
@@ -42,6 +43,7 @@ from sharded.passes import fingerprint, unalias_outputs
 from sharded.pipelining._lower import build_pipelined, is_pipelined
 from sharded.random.rewrite import rewrite_random_ops
 from sharded._remat import rematerialize_program
+from sharded.rewrites.algebra import drop_zero_additions
 from sharded.rewrites.losses import mean_losses_as_sums
 from sharded.spec import P, from_placements, to_placements
 
@@ -79,6 +81,7 @@ def lower_graph(gm: fx.GraphModule, mode: ParallelMode, mesh, in_placements: lis
     # after the random rewrite: a recomputed draw is the same draw (sharded/_remat.py)
     rematerialize_program(gm)
     mean_losses_as_sums(gm)                 # NOTE [A mean over a split batch]
+    drop_zero_additions(gm)                 # NOTE [Adding zero]
     rng = [to_placements(P(), mesh)] * 2 if n_draws else []     # seed, offset
     placeholders = gm.graph.find_nodes(op="placeholder")
     for node, path in zip(placeholders[len(placeholders) - len(rng):], ["rng seed", "rng offset"]):

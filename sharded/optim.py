@@ -347,7 +347,8 @@ def _fusable(*lists) -> bool:
 # leaf, and a plain traced ``sum(g.pow(2).sum() for g in leaves)`` leaves DTensor (and
 # the modes' pending-sum policy) to reduce each split leaf's share before adding it to a
 # replicated one: one scalar all-reduce per split leaf and axis (3 on the test MLP's
-# ("dp", "tp") Megatron specs). ``sharded::sum_of_squares`` is one op over the list,
+# ("dp", "tp") Megatron specs; where every leaf is split, the shares stay pending to
+# one: NOTE [Adding zero] in sharded/rewrites/algebra.py). ``sharded::sum_of_squares`` is one op over the list,
 # with its own expansion: each leaf's pending sums (a gradient not yet reduced) are
 # done first, the rank sums the squares of its blocks of every leaf, counting a leaf
 # that is replicated over a split axis only on that axis's coordinate 0 (so each

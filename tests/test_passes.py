@@ -565,7 +565,7 @@ def test_gradient_buckets_do_not_depend_on_the_optimizer():
                   "sgd_unscaled": sgd_unscaled, "optim.sgd": functools.partial(optim.sgd, lr=0.1)}
     modes = {"replicate": DataParallelMode("replicate"), "shard": DataParallelMode("shard"),
              "expand": DTensorExpandMode()}
-    counts, reduced = {}, {}
+    counts, reduced, peaks = {}, {}, {}
     for (mname, mode), (oname, update) in itertools.product(modes.items(), optimizers.items()):
         low = pjit(step_with(update), in_specs=(P(), P(), P("dp"), P("dp")),
                    mesh=Mesh.abstract((2,), ("dp",)), mode=mode).lower(
@@ -575,8 +575,12 @@ def test_gradient_buckets_do_not_depend_on_the_optimizer():
                                      for k in ("all_reduce", "reduce_scatter"))
         reduced[mname, oname] = sum(math.prod(c.shape) for c in low.collectives()
                                     if c.kind in ("all_reduce", "reduce_scatter"))
+        peaks[mname, oname] = low.memory()["peak_bytes"]
     for mname in modes:
         assert len({counts[mname, oname] for oname in optimizers}) == 1, counts
+        # and the scaling costs no memory the plain update does not (the buckets'
+        # cost, which the per-parameter reductions did not pay, is the same for both)
+        assert peaks[mname, "sgd"] <= peaks[mname, "sgd_unscaled"], peaks
     assert counts["replicate", "optim.adamw"][0] <= 3, counts
     n = sum(t.numel() for t in params.values())
     for oname in optimizers:
@@ -641,3 +645,73 @@ def test_a_mode_that_overrides_transform_and_compile_still_gets_finalized():
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         assert out[0] is not out[1]                             # unaliased
     assert len(calls) == 1
+
+
+def test_a_global_norm_summed_from_zero_costs_one_reduction():
+    """NOTE [Adding zero] (sharded/rewrites/algebra.py): a clipped step's global norm
+    written with Python's ``sum()`` (which starts from 0), under DataParallelMode
+    ("shard"), reduced each parameter's sum of squares on its own: 25 all-reduces a
+    step for a 24-tensor GPT, where ``sharded.optim.clip_by_global_norm`` pays one.
+    The two now lower to the same collectives."""
+    import optree
+
+    from examples import gpt
+    from sharded import Mesh, P, optim
+    from sharded.modes import DataParallelMode
+    from transforms import pjit
+
+    cfg = gpt.GPTConfig(vocab=64, d_model=32, n_heads=2, n_layers=2, seq=8, sdpa=True)
+    params = optree.tree_map(lambda t: t.to("meta"), gpt.init_params(cfg, 0))
+    ids, tgt = (t.to("meta") for t in gpt.batch(cfg, 4, seed=1))
+
+    def by_hand(grads):
+        leaves = optree.tree_leaves(grads)
+        norm = torch.sqrt(sum((g ** 2).sum() for g in leaves))
+        coef = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
+        return optree.tree_map(lambda g: g * coef, grads)
+
+    def with_optim(grads):
+        return optim.clip_by_global_norm(grads, 1.0)[0]
+
+    counts = {}
+    for name, clip in (("by_hand", by_hand), ("optim", with_optim)):
+        def step(p, x, y, clip=clip):
+            g, loss = torch.func.grad_and_value(gpt.loss_fn)(p, x, y, cfg)
+            return optree.tree_map(lambda a, b: a - 0.1 * b, p, clip(g)), loss
+        low = pjit(step, in_specs=(P(), P("dp"), P("dp")), mesh=Mesh.abstract((2,), ("dp",)),
+                   mode=DataParallelMode("shard")).lower(params, ids, tgt)
+        counts[name] = {k: v["count"] for k, v in low.cost().items() if k != "total"}
+    assert counts["by_hand"] == counts["optim"], counts
+    assert counts["optim"]["all_reduce"] <= 3 and counts["optim"]["reduce_scatter"] == 1, counts
+
+
+def test_adding_zero_is_dropped_only_where_the_sum_is_the_value_itself():
+    """drop_zero_additions: ``x + 0`` and ``x - 0`` read ``x``; not where the sum is a
+    new tensor of another dtype, shape or layout, nor where ``x`` is an input."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from sharded.rewrites.algebra import drop_zero_additions
+
+    def f(a, b):
+        s = a.sum() * 2
+        t = 0 + s                           # dropped
+        u = (a * 3) - 0                     # dropped
+        v = a + 0                           # an input: kept
+        vt = a.t() + 0                      # a view of an input: kept (found by review)
+        nan = torch.add(a * 3, 0, alpha=float("inf"))   # inf * 0 is nan: kept
+        w = b.expand(4, 3) + 0              # a dense sum of an expanded view: kept
+        i = (a > 0).sum() + 0.0             # int64 + 0.0 is float: kept
+        return t, u, v, vt, nan, w, i
+
+    args = (torch.randn(4, 3), torch.randn(1, 3))
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    adds = lambda: [n for n in gm.graph.nodes if n.target in (torch.ops.aten.add.Tensor,   # noqa: E731
+                                                               torch.ops.aten.sub.Tensor)]
+    before = len(adds())
+    assert drop_zero_additions(gm) == 2 and len(adds()) == before - 2, gm.graph
+    gm.recompile()
+    outs = gm(*args)
+    for got, want in zip(outs, f(*args)):
+        assert got.dtype == want.dtype and got.stride() == want.stride()
+        torch.testing.assert_close(got, want, equal_nan=True)
+    assert outs[3].untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr()
