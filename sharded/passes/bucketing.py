@@ -395,8 +395,8 @@ def move_before(node, anchor: fx.Node, order: dict) -> bool:
 #   gradient among its members and those before them, where ``p - g`` reduces in
 #   backward order, overlapped by more of the backward.
 # - The ops stay where they are, and the reduction only follows them, where they
-#   compute its input from one input alone (a loss's count of targets, from a view of
-#   the targets, which ``count_targets_early`` put halfway through the forward, so that
+#   compute its input from the inputs alone, read directly or through views (a loss's
+#   count of targets, which ``count_targets_early`` put halfway through the forward, so that
 #   it overlaps the call's agreement: at the start, the agreement would be waited for
 #   at once), or from another collective's result (the squares of reduce-scattered
 #   gradients summed for a clipped step's global norm: moved up behind that result,
@@ -527,8 +527,7 @@ def _chain(r2: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     views: list[fx.Node] = []
     node = r2.args[0]
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target is not _WAIT:
-        if len(node.users) != 1 or len(node.all_input_nodes) != 1 or not _is_pure(node.target) \
-                or node.target in _torch.COLLECTIVE_OPS:
+        if len(node.users) != 1 or len(node.all_input_nodes) != 1 or not _movable_op(node):
             return None
         views.append(node)
         node = node.all_input_nodes[0]
