@@ -4,7 +4,7 @@ a train step on local gloo ranks, side by side in one run.
     python benchmarks/bench_data_parallel.py                  # gpt-tiny and MLP, 2 ranks
     python benchmarks/bench_data_parallel.py --models mlp --iters 30
 
-Modes (every one: forward, backward, AdamW):
+Modes (every one: forward, backward, AdamW; SGD with ``--optimizer per-tensor-sgd``):
 
   single     the functional step on the full batch, one process per rank (reference)
   ddp        DistributedDataParallel(nn.Module) + torch.optim.AdamW(fused=True), batch split

@@ -257,8 +257,9 @@ def _on_ranks(mesh_shape, names, runs, steps=3):
     ids, targets = batch()
     ref, ref_norms = torch_reference(params, ids, targets, steps)
     out = {}
-    for mode, micro, tp, *clip in runs:
-        f = pjit(lambda p, o, i, t, m=micro, c=(clip or [True])[0]: train_step(p, o, i, t, micro=m, clip=c),
+    for mode, micro, tp, *rest in runs:
+        clip = rest[0] if rest else True
+        f = pjit(lambda p, o, i, t, m=micro, c=clip: train_step(p, o, i, t, micro=m, clip=c),
                  in_specs=TP if tp else DP, mesh=mesh, mode=MODES[mode]())
         p, o = params, optim.adamw_init(params)
         norms = []
@@ -268,7 +269,7 @@ def _on_ranks(mesh_shape, names, runs, steps=3):
         torch.testing.assert_close(torch.stack(norms), torch.stack(ref_norms), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(gather(p), ref, rtol=1e-4, atol=1e-5)
         assert f.trace_count == 1
-        out[(mode, micro, tp, *clip)] = [n.item() for n in norms]
+        out[(mode, micro, tp, *rest)] = [n.item() for n in norms]
     return out
 
 
