@@ -20,6 +20,12 @@ outputs, and the program it lowers computes what one device computes.
   names each block's layout, and the chosen in_specs reused by hand give the same
   program (JAX reuses ``compiled.input_shardings`` the same way).
 - Random bits under AUTO are bitwise those of one device (docs/random.md).
+- Identical blocks share decisions (NOTE [Identical blocks share decisions] in
+  sharded/auto/_blocks.py): the layout program stops growing with depth, every other
+  block takes the same layouts, and nothing is lost against the unshared program (a
+  GPT's blocks; a stack of identical Linears whose best plan alternates). On real
+  ranks, a 4-layer MLP (the benchmarks' ``_models.mlp_loss``) whose program shares
+  decisions equals one device.
 
 Rank-side bodies run several cases per call (one rank call per world size); each case
 returns None or what went wrong, so one failing case names itself.
@@ -119,7 +125,22 @@ def _llama_case():
     return _llama_step, (params, ids), (AUTO, P("dp")), (AUTO, P()), (), dict(rtol=1e-4, atol=1e-5)
 
 
-CASES = {"mlp": _mlp_case, "gpt": _gpt_case, "llama": _llama_case}
+def _deep_case():
+    """The benchmarks' MLP (``_models.mlp_loss``: Linear + GELU layers), 4 layers of 16:
+    layers 2 and 3 take the decisions of layers 0 and 1."""
+    from benchmarks import _models
+
+    def step(p, x, y):
+        g, loss = torch.func.grad_and_value(_models.mlp_loss)(p, x, y)
+        return optree.tree_map(lambda w, d: w - 0.1 * d, p, g), loss
+
+    p = _models.mlp_init(16, 4)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    return step, (p, x, y), (AUTO, P("dp"), P("dp")), (AUTO, P()), (), dict(rtol=1e-5, atol=1e-5)
+
+
+CASES = {"mlp": _mlp_case, "gpt": _gpt_case, "llama": _llama_case, "deep": _deep_case}
 
 
 # -- rank-side bodies ---------------------------------------------------------------------
@@ -149,7 +170,9 @@ def _train_loop(mesh, case, steps=2, budget=None):
 
 def _check(mesh, name, **kw):
     try:
-        _train_loop(mesh, CASES[name], **kw)
+        _, lowered, _ = _train_loop(mesh, CASES[name], **kw)
+        if name == "deep":      # (the case is there for its shared decisions)
+            assert lowered.auto["shared_units"] > 0, lowered.auto["shared_units"]
         return None
     except Exception as e:  # noqa: BLE001 - reported per case
         return f"{type(e).__name__}: {str(e)[:3000]}"
@@ -259,7 +282,7 @@ def _equal_to_one_device(mesh_name, names):
 
 @functools.lru_cache(maxsize=None)
 def _results(mesh_name) -> dict:
-    names = ["mlp", "gpt"]
+    names = ["mlp", "gpt", "deep"]
     try:
         import transformers  # noqa: F401
         names.append("llama")
@@ -316,7 +339,7 @@ def _random_on_ranks(mesh_name):
 # -- tests: real ranks ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("model", ["mlp", "gpt", "llama"])
+@pytest.mark.parametrize("model", ["mlp", "gpt", "llama", "deep"])
 def test_auto_train_loop_equals_one_device(mesh_name, model):
     if model == "llama":
         pytest.importorskip("transformers")
@@ -437,6 +460,94 @@ def test_auto_in_a_shard_maps_specs_is_an_error(which):
     with pytest.raises(ValueError, match=r"shard_map\(<lambda>\): " + which + r" holds AUTO; a "
                                          r"shard_map body is per-rank code.*AUTO is pjit's"):
         shard_map(lambda v: v, mesh=MESH22, **specs)
+
+
+# -- tests: identical blocks share decisions ---------------------------------------------------
+
+# The shape of the model measured on 2 gloo ranks of this machine (CostModel.for_mesh):
+# collectives cost about what a 1024-wide layer's compute does, so the MLP's best plan is
+# Megatron's alternation (benchmarks/README.md, "What AUTO chose").
+_GLOO_LIKE = CostModel("gloo-like, 2 ranks", 1.0e11, 2.4e10, op_seconds=2e-6, collectives=(
+    ("all_gather", 2, 3.1e-4, 8.9e-10), ("all_reduce", 2, 4.8e-4, 9.1e-10),
+    ("all_to_all", 2, 1.7e-4, 5.0e-10), ("reduce_scatter", 2, 3.6e-4, 2.1e-9)))
+
+
+def _each_its_own(monkeypatch):
+    """The layout program without shared decisions (every unit its own)."""
+    import sharded.auto._decide as decide_module
+
+    monkeypatch.setattr(decide_module, "shared_decisions", lambda units: list(range(len(units))))
+
+
+def _lower_gpt(layers: int):
+    cfg = gpt.tiny(n_layers=layers, d_model=32, n_heads=4, vocab=64, seq=8)
+    params = gpt.init_params(cfg, 0)
+    ids, tgt = gpt.batch(cfg, 4)
+    f = pjit(lambda *a: gpt.train_step(*a), in_specs=(AUTO, AUTO, P("dp"), P("dp")),  # (uncached)
+             out_specs=(AUTO, AUTO, P()), mesh=Mesh.abstract((4,), ("dp",)),
+             static_argnums=(4,), cost_model=CostModel.h100())
+    return f.lower(params, optim.adamw_init(params), ids, tgt, cfg)
+
+
+def _lower_mlp(layers: int):
+    from benchmarks import _models
+
+    params = _models.mlp_init(1024, layers)
+    x, y = torch.zeros(64, 1024), torch.zeros(64, 1024)
+
+    def step(p, o, x, y):
+        g, loss = torch.func.grad_and_value(_models.mlp_loss)(p, x, y)
+        return (*optim.adamw(p, g, o, lr=1e-3), loss)
+
+    f = pjit(step, in_specs=(AUTO, AUTO, P(), P()), out_specs=(AUTO, AUTO, P()),
+             mesh=Mesh.abstract((2,), ("dp",)), cost_model=_GLOO_LIKE)
+    return f.lower(params, optim.adamw_init(params), x, y)
+
+
+def _by_layer(lowered, key: str) -> dict:
+    """{(the path with the layer number as *, layer): spec} of the inputs under ``key``."""
+    out = {}
+    for path, spec in lowered.layouts["inputs"].items():
+        m = re.search(r"\['" + key + r"'\]\[(\d+)\]", path)
+        if m:
+            out[(path[:m.start(1)] + "*" + path[m.end(1):], int(m.group(1)))] = spec
+    return out
+
+
+def test_identical_blocks_share_decisions_so_the_program_stops_growing_with_depth(monkeypatch):
+    lowered = {n: _lower_gpt(n) for n in (4, 6)}
+    four, six = lowered[4].auto, lowered[6].auto
+    # blocks 2.. take the decisions of blocks 0 and 1: two more blocks, no more variables
+    assert 0 < four["shared_units"] < six["shared_units"]
+    assert six["variables"] == four["variables"] and six["decisions"] == four["decisions"]
+    assert six["units"] > four["units"]
+    text = lowered[6].explain()
+    assert f"{six['decisions']} decisions for {six['units']} units: {six['shared_units']} take" in text
+    # every other block takes the same layouts
+    specs = _by_layer(lowered[6], "blocks")
+    assert {b for _, b in specs} == set(range(6))
+    assert all(spec == specs[(path, b - 2)] for (path, b), spec in specs.items() if b >= 2)
+    # and the unshared program finds nothing better (both solved to HiGHS's 1% gap)
+    _each_its_own(monkeypatch)
+    alone = _lower_gpt(4).auto
+    assert alone["shared_units"] == 0 and alone["variables"] > four["variables"]
+    assert four["objective_s"] <= alone["objective_s"] * 1.01
+
+
+def test_a_stack_of_identical_layers_keeps_its_alternating_plan(monkeypatch):
+    """Eight identical Linear(1024) layers: the best plan on a gloo-like machine splits
+    every other layer's rows and the others' columns (Megatron's pairs); sharing with
+    the next layer would forbid it, sharing with every other layer keeps it."""
+    shared = _lower_mlp(8)
+    specs = _by_layer(shared, "layers")
+    w = [specs[("args[0]['layers'][*]['w']", k)] for k in range(8)]
+    assert w[0] == P("dp") and w[1] == P(None, "dp"), w
+    assert all(w[k] == w[k - 2] for k in range(2, 8)), w
+    assert shared.auto["shared_units"] > 0
+    _each_its_own(monkeypatch)
+    alone = _lower_mlp(8)
+    assert shared.auto["objective_s"] <= alone.auto["objective_s"] * 1.01
+    assert shared.auto["variables"] < alone.auto["variables"]
 
 
 # -- tests: a GPT-2-small-shaped step on Mesh.abstract((8, 8)) -----------------------------------

@@ -13,6 +13,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from sharded._registry import META_PATH
 from sharded.errors import ShardingRuleError
 from sharded.api import CONSTRAINT_OP, spec_text
+from sharded.auto._blocks import shared_decisions
 from sharded.auto._explain import report as _report
 from sharded.auto._solve import Infeasible, edge_costs, solve
 from sharded.auto._units import Builder, Unit, get_input, placements_of, set_input
@@ -110,9 +111,10 @@ def decide(gm: fx.GraphModule, mesh, in_placements: list, out_specs: list,
         val = units[i].vals[0]
         memory.append((i, [_bytes(val, outs[0], mesh_shape) for outs, _ in units[i].strategies]))
     ties = _ties(units, in_units, out_units, out_specs, in_placements)
+    shared = shared_decisions(units)        # NOTE [Identical blocks share decisions]
     t1 = time.perf_counter()
     try:
-        sol = solve(units, edges, memory, request.budget, ties)
+        sol = solve(units, edges, memory, request.budget, ties, shared)
     except RuntimeError as e:
         raise RuntimeError(
             f"{request.name}: the AUTO layout solver found no layout on {mesh!r} ({e}); "
@@ -137,7 +139,8 @@ def decide(gm: fx.GraphModule, mesh, in_placements: list, out_specs: list,
         else:
             new_out.append(None if spec is AUTO else spec)
     report = _report(units, sol, in_units, out_units, edges, mesh, model, request,
-                     b.unsupported, {"build_s": t1 - t0, "solve_s": t2 - t1})
+                     b.unsupported, {"build_s": t1 - t0, "solve_s": t2 - t1},
+                     shared)
     return Decision(new_in, new_out, report, model,
                     lambda g: _apply(g, units, sol.choice, mesh, report))
 

@@ -51,7 +51,7 @@ def _where(node) -> str:
 
 
 def report(units, sol, in_units, out_units, edges, mesh, model, request,
-           unsupported, times) -> dict:
+           unsupported, times, shared=None) -> dict:
     choice = sol.choice
     ms = tuple(mesh.shape)
     inputs, outputs, blocks = {}, {}, {}
@@ -132,6 +132,10 @@ def report(units, sol, in_units, out_units, edges, mesh, model, request,
         "moves": top, "compute_by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
         "model": model.name, "mesh": repr(mesh),
         "units": len(units), "variables": sol.variables, "constraints": sol.constraints,
+        # units that take an identical block's decision (NOTE [Identical blocks share
+        # decisions] in _blocks.py), and the decisions the solver made
+        "shared_units": sum(1 for i, r in enumerate(shared) if r != i) if shared else 0,
+        "decisions": len(set(shared)) if shared else len(units),
         "status": sol.status, **times,
         "applied": 0, "unapplied": 0,          # (the moves written: _decide._apply)
         "unsupported_ops": dict(unsupported),
@@ -165,8 +169,9 @@ def explain(rep: dict, lowered_cost: dict | None = None) -> str:
     mb = 2 ** 20
     lines = [f"AUTO layouts on {rep['mesh']} (cost model: {rep['model']})",
              f"  solved in {rep['solve_s']:.2f} s ({rep['variables']} variables, "
-             f"{rep['constraints']} constraints, {rep['units']} decisions; built in "
-             f"{rep['build_s']:.2f} s)",
+             f"{rep['constraints']} constraints, {rep['decisions']} decisions for "
+             f"{rep['units']} units: {rep['shared_units']} take an identical block's; "
+             f"built in {rep['build_s']:.2f} s)",
              f"  predicted per step: compute {rep['compute_s'] * 1e3:.3f} ms + communication "
              f"{rep['moves_s'] * 1e3:.3f} ms = {rep['objective_s'] * 1e3:.3f} ms",
              f"  state per rank (inputs and outputs): {rep['memory_bytes'] / mb:.2f} MiB"

@@ -183,14 +183,20 @@ def edge_costs(units: list[Unit], model, mesh_shape, order: dict) -> list[Edge]:
 
 
 def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
-          ties: list[tuple[int, int, list[tuple[int, int]]]]) -> Solution:
+          ties: list[tuple[int, int, list[tuple[int, int]]]],
+          shared: list[int] | None = None) -> Solution:
     """``memory``: (unit, bytes per strategy) for the units the budget counts;
     ``ties``: (unit a, unit b, pairs (k_a, k_b) that agree): a and b choose agreeing
-    strategies."""
+    strategies; ``shared``: per unit, the earlier unit whose decision it takes (NOTE
+    [Identical blocks share decisions] in _blocks.py; None: each its own)."""
     t0 = time.perf_counter()
+    rep = shared if shared is not None else list(range(len(units)))
     offset = []
     nx = 0
-    for unit in units:
+    for i, unit in enumerate(units):
+        if rep[i] != i:                 # the columns of the unit it shares with
+            offset.append(offset[rep[i]])
+            continue
         offset.append(nx)
         nx += len(unit.strategies)
     c = np.zeros(nx)
@@ -201,6 +207,8 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
     r = 0
     # exactly one strategy per unit
     for i, unit in enumerate(units):
+        if rep[i] != i:
+            continue
         for k in range(len(unit.strategies)):
             rows.append(r)
             cols.append(offset[i] + k)
@@ -214,6 +222,7 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
     # its cost (NOTE [One move per value and layout])
     moves: dict = {}
     pooled: dict = {}       # pool key -> (latency, terms): NOTE [Reductions are bucketed]
+    edge_y: dict = {}       # (producer, output, reader, input) of the shared units -> y's base
     for e in edges:
         n, j, u, cm = e.reader, e.input, e.producer, e.cost
         if not cm.any() and (e.pools is None or not any(map(any, e.pools))):
@@ -223,8 +232,10 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
         # reader's by the layout they need it in (NOTE [The layout program])
         gp = _keyed_groups(units[u].strategies, lambda st: st[0][o])
         gq = _keyed_groups(units[n].strategies, lambda st: st[1][j])
-        if len(gp) > 1 and len(gq) > 1:
-            base = nx + ny
+        if len(gp) > 1 and len(gq) > 1 and (rep[u], o, rep[n], j) in edge_y:
+            base = edge_y[(rep[u], o, rep[n], j)]     # the same edge of a shared block
+        elif len(gp) > 1 and len(gq) > 1:
+            base = edge_y[(rep[u], o, rep[n], j)] = nx + ny
             ny += len(gp) * len(gq)
             y_cost += [0.0] * (len(gp) * len(gq))
             width = len(gq)
@@ -263,10 +274,16 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
     # z >= the term of each, at its price (a move's price is the same for every reader:
     # it depends on the value and the two layouts alone). The tail's pools are priced
     # after the solve (NOTE [Reductions are bucketed]).
+    # Groups of one set of terms are one z at the sum of their prices (the same move
+    # of each shared block: NOTE [Identical blocks share decisions]).
     tail = [pool for key, pool in pooled.items() if key[0] == "tail"]
+    groups: dict = {}
     for price, terms in [(terms[0][0], [t for _, t in terms])
                          for terms in moves.values()] + [
                              pool for key, pool in pooled.items() if key[0] != "tail"]:
+        key = tuple(sorted(set(terms)))
+        groups[key] = groups.get(key, 0.0) + price
+    for terms, price in groups.items():
         if len(terms) == 1:
             for col in terms[0]:
                 if col < nx:
