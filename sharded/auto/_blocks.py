@@ -11,10 +11,11 @@ pays its own compute, moves and memory (the costs add up on the shared columns),
 the program is the original one with ``x[u] = x[rep(u)]`` added: exact for the
 plans it keeps, a restriction of the rest.
 
-Which blocks: the inputs whose pytree paths differ only in one number
-(``args[0]['blocks'][3]['wq']``; the varying position with the most values) are
-instances of one template; instance ``k`` is matched with instance ``k + PERIOD``
-where the two have the same shape, dtype and strategies. Every other block, not the
+Which blocks: the inputs whose pytree paths differ only in one number inside one
+argument (``args[0]['blocks'][3]['wq']``, not ``args[0]`` against ``args[2]``; the
+varying position with the most values) are instances of one template; instance
+``k`` is matched with instance ``k + PERIOD`` where the two have the same shape,
+dtype and strategies. Every other block, not the
 next one: the best layout of a stack of identical Linears alternates (Megatron's
 column-parallel layer then row-parallel layer, the MLP's plan in
 benchmarks/README.md), and a period of one would forbid it; two keeps that plan and
@@ -24,10 +25,13 @@ From the matched inputs the match spreads to their readers: a reader of a matche
 value is matched with the reader of its partner at the same input position, the
 k-th with the k-th among readers of the same kind, where both do the same op on the
 same shapes with the same strategies and each other input of the two is matched,
-shared, or not matched yet and alike (the block's incoming activation: matched
-then). A unit is matched once; a class is the units joined by matches, and its
-first unit (in program order) is its representative. Units the spread does not reach
-(the embedding, the head, the loss) keep their own decisions.
+shared, or an op's result not matched yet and alike (the activation a block reads
+from the one before: block 0 reads the embedding's output as block 2 reads block
+1's, so those two share a decision). Inputs are matched by their paths alone, so the
+head's parameters (the final layer norm's, shaped as the blocks') keep their own
+decisions, as do the units reading them. A unit is matched once; a class is the
+units joined by matches, and its first unit (in program order) is its
+representative.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from sharded.auto._units import Unit
 PERIOD = 2           # instance k shares with instance k + PERIOD (see the NOTE)
 
 _NUMBER = re.compile(r"\d+")
+_ARGUMENT = re.compile(r"^[A-Za-z_]+\[[^\]]*\]")     # args[2]: which argument, not a block
 
 
 def _kind(unit: Unit) -> tuple:
@@ -94,8 +99,9 @@ def shared_decisions(units: list[Unit], period: int = PERIOD) -> list[int]:
                         break
                     if pa == pb or image.get(pa) == pb:
                         continue
-                    if not free(pa, pb) or any(pa == x or pb == y for x, y in fresh):
-                        break
+                    if units[pa].kind == "input" or not free(pa, pb) or \
+                            any(pa == x or pb == y for x, y in fresh):
+                        break       # (inputs match by their paths alone)
                     fresh.append((pa, pb))
                 else:
                     bind(ra, rb)
@@ -129,9 +135,11 @@ def _template_pairs(units: list[Unit], period: int) -> list[tuple[int, int]]:
     templates: dict = {}
     for i, u in enumerate(units):
         if u.kind == "input" and u.path:
-            numbers = tuple(int(x) for x in _NUMBER.findall(u.path))
+            head = _ARGUMENT.match(u.path)
+            arg, inside = (u.path[:head.end()], u.path[head.end():]) if head else ("", u.path)
+            numbers = tuple(int(x) for x in _NUMBER.findall(inside))
             if numbers:
-                templates.setdefault(_NUMBER.sub("#", u.path), []).append((numbers, i))
+                templates.setdefault(arg + _NUMBER.sub("#", inside), []).append((numbers, i))
     pairs = []
     for found in templates.values():
         width = len(found[0][0])

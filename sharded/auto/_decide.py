@@ -222,9 +222,9 @@ def _tie(a: Unit, b: Unit, i: int, u: int) -> tuple | None:
 def _ties(units, in_units, out_units, out_specs, in_placements) -> list:
     """An AUTO output with an AUTO input of the same path (after ``args``/``output``),
     shape and dtype takes its layout (NOTE [The layout program]). The blocks of a
-    stack are not tied to one another: tying them (one layout per block path) made
-    HiGHS take 40 s rather than 7 s on GPT-2-small over an 8x8 mesh, for a worse
-    plan."""
+    stack are not tied here: tying them by such rows (one layout per block path) made
+    HiGHS take 40 s rather than 7 s on GPT-2-small over an 8x8 mesh; they share their
+    columns instead (NOTE [Identical blocks share decisions] in _blocks.py)."""
     ties = []
     by_path = {}
     for i, pl in zip(in_units, in_placements):

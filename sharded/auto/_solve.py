@@ -301,9 +301,14 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
             lo.append(0.0)
             hi.append(np.inf)
             r += 1
+    tied: set = set()
     for a, b, pairs in ties:
-        # x[a, ka] == x[b, kb] for each agreeing pair; others of b are 0 where a has no pair
+        # x[a, ka] == x[b, kb] for each agreeing pair; others of b are 0 where a has no
+        # pair (once per pair of columns: the same tie of each shared block)
         for ka, kb in pairs:
+            if offset[a] + ka == offset[b] + kb or (offset[a] + ka, offset[b] + kb) in tied:
+                continue
+            tied.add((offset[a] + ka, offset[b] + kb))
             rows += [r, r]
             cols += [offset[a] + ka, offset[b] + kb]
             vals += [1.0, -1.0]
