@@ -102,7 +102,7 @@ class Region(torch.nn.Module):
 
     def run_local(self, local_inputs: Sequence[torch.Tensor]) -> list:
         """What this rank runs: the graph with every primitive lowered (under the
-        partitioner's make_fx, the ops land in the local program)."""
+        partitioner's recording, the ops land in the local program)."""
         return _Lowering(self.graph_module, self.mesh).run(*local_inputs)
 
     def dead_outputs(self) -> list:

@@ -127,6 +127,94 @@ def test_a_view_of_a_shard_laid_out_otherwise_copies_it_first():
     assert clones and clones[-1].users and next(iter(clones[-1].users)).target is aten.view.default
 
 
+# -- the recording is make_fx's (NOTE [Recording the local program] in sharded/_torch.py) ---------
+
+_CAPTURED = torch.linspace(-1.0, 1.0, 8).reshape(2, 4)       # a real tensor the function closes over
+
+
+def _mixed(x, w, q, k, v):
+    """The special ops (a random draw, a sharding constraint, a shard_map region), a
+    captured constant, torch.tensor([]) in a cat, SDPA (DTensor runs it on global
+    shapes to learn its output's) and a gradient."""
+    from sharded import collectives as C, shard_map
+
+    region = shard_map(lambda a: C.psum(a, "tp"), mesh=_MESH_TP, in_specs=P(None, "tp"),
+                       out_specs=P())
+
+    def loss(w):
+        h = with_sharding_constraint(F.dropout(x @ w, 0.5), P(None, "tp"))
+        a = F.scaled_dot_product_attention(q, k, v)
+        return (region(h) * _CAPTURED).sum() + cat_cache(a).sum()
+
+    return torch.func.grad_and_value(loss)(w)
+
+
+_MESH_TP = Mesh.abstract((2,), ("tp",))
+
+
+def _program(lowered) -> list[str]:
+    """Each node: its op, its arguments (nodes by position), its value's shape, strides
+    and dtype; a constant by its value."""
+    gm = lowered.local_graph
+    at = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def text(a):
+        if isinstance(a, torch.fx.Node):
+            return f"%{at[a]}"
+        if isinstance(a, (list, tuple)):
+            return "[" + ", ".join(text(x) for x in a) + "]"
+        if isinstance(a, dict):
+            return "{" + ", ".join(f"{k}: {text(v)}" for k, v in a.items()) + "}"
+        return repr(a)
+
+    out = []
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        meta = (tuple(val.shape), val.stride(), val.dtype) if isinstance(val, torch.Tensor) else None
+        what = getattr(gm, n.target).tolist() if n.op == "get_attr" else n.target
+        out.append(f"{n.op} {what} {text(n.args)} {text(n.kwargs)} {meta}")
+    return out
+
+
+def test_the_recorded_program_is_make_fxs(monkeypatch):
+    """The expansion's recording gives make_fx's program node for node: the same ops
+    (make_fx's decompositions included: ``narrow`` under DataParallelMode), arguments,
+    values and constants, and nothing of DTensor's shape inference."""
+    from examples import gpt
+    from sharded import _torch, optim, random as srandom
+    from sharded.modes import DTensorExpandMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    cfg = gpt.tiny(n_layers=2, d_model=32, n_heads=4, vocab=64, seq=8)
+    params = gpt.init_params(cfg, 0)
+    state, (ids, tgt) = optim.adamw_init(params), gpt.batch(cfg, 4)
+    specs = gpt.tp_specs(params)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 8, generator=g) for _ in range(3))
+    cases = {
+        "gpt, Megatron on 2x2": lambda: pjit(
+            lambda *a: gpt.train_step(*a), in_specs=(specs, gpt.opt_specs(specs), P("dp"), P("dp")),
+            out_specs=(specs, gpt.opt_specs(specs), P()), mesh=Mesh.abstract((2, 2), ("dp", "tp")),
+            static_argnums=(4,), mode=DTensorExpandMode()).lower(params, state, ids, tgt, cfg),
+        "gpt, DataParallelMode('shard') on 4": lambda: pjit(
+            lambda *a: gpt.train_step(*a), in_specs=(None, None, P("dp"), P("dp")),
+            mesh=Mesh.abstract((4,), ("dp",)), static_argnums=(4,),
+            mode=DataParallelMode("shard")).lower(params, state, ids, tgt, cfg),
+        "special ops, constants, sdpa": lambda: pjit(
+            lambda *a: _mixed(*a), in_specs=(P(), P(None, "tp"), P(), P(), P()),
+            mesh=_MESH_TP).lower(torch.randn(2, 4), torch.randn(4, 8), q, k, v),
+    }
+    srandom.manual_seed(0)
+    recorded = {name: _program(lower()) for name, lower in cases.items()}
+    monkeypatch.setattr(_torch, "record_fake",
+                        lambda fn, inputs, fake_mode: make_fx(fn, tracing_mode="fake")(*inputs))
+    for name, lower in cases.items():
+        assert recorded[name] == _program(lower()), name
+    assert any("_c10d_functional" in line for line in recorded["gpt, Megatron on 2x2"])
+    assert any("narrow" in line for line in recorded["gpt, DataParallelMode('shard') on 4"]) is False
+    assert any(line.startswith("get_attr") for line in recorded["special ops, constants, sdpa"])
+
+
 # -- values on real ranks ------------------------------------------------------------------------
 
 def _cases_on_ranks():

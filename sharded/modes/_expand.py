@@ -1,14 +1,15 @@
 """Expansion: the step every mode shares. Run the global graph on DTensors built from
-fake local shards, under one make_fx, and record what this rank runs.
+fake local shards, and record what this rank runs.
 
-# NOTE [Expansion by one make_fx over an Interpreter]
+# NOTE [Expansion by one recording over an Interpreter]
 The global graph is run by an ``fx.Interpreter`` on DTensors built from fake local
-shards, under one ``make_fx``. DTensor picks each op's output layout, inserts the
-redistributes as functional collectives and computes local shapes and rank-dependent
-constants (the row-sharded embedding's mask bounds); make_fx records the aten ops it
-runs on the local shards. Tracing op by op instead would lose state that DTensor keeps
-in placements across ops (``_MaskPartial`` carries the embedding mask) and silently
-bake it as a constant. The Interpreter keeps node attribution for error messages.
+shards, under one recording (``_torch.record_fake``: NOTE [Recording the local
+program]). DTensor picks each op's output layout, inserts the redistributes as
+functional collectives and computes local shapes and rank-dependent constants (the
+row-sharded embedding's mask bounds); the recording keeps the aten ops it runs on the
+local shards. Tracing op by op instead would lose state that DTensor keeps in
+placements across ops (``_MaskPartial`` carries the embedding mask) and silently bake
+it as a constant. The Interpreter keeps node attribution for error messages.
 
 # NOTE [Modes are layout policies]
 A mode differs from another only in how layouts are chosen (a ``LayoutPolicy``) and in
@@ -65,7 +66,7 @@ def expand(graph: fx.GraphModule, in_placements: Sequence[tuple], out_specs: Seq
     outputs as ``out_specs`` (None: the policy decides)."""
     dm = mesh.device_mesh
     metas = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"]
-    with _torch.new_fake_mode():
+    with _torch.new_fake_mode() as fake_mode:
         local_inputs = [
             torch.empty(
                 _local_shape(m, pl, mesh),
@@ -90,8 +91,8 @@ def expand(graph: fx.GraphModule, in_placements: Sequence[tuple], out_specs: Seq
             result.append(o.to_local())
         return result
 
-    with _torch.dtensor_caches_while_tracing():
-        local = _torch.make_fx_fake_lean(run_local)(*local_inputs)
+    with _torch.dtensor_caches_while_tracing():     # NOTE [Recording the local program]
+        local = _torch.record_fake(run_local, local_inputs, fake_mode)
     # each input keeps its pytree path (passes read it: NOTE [Bucketing] units)
     for g, loc in zip(graph.graph.find_nodes(op="placeholder"), local.graph.find_nodes(op="placeholder")):
         if "sharded_path" in g.meta:
@@ -248,9 +249,9 @@ class Expander(fx.Interpreter):
 
 
 # NOTE [Expansion cost]
-# The expansion runs every op of the global graph through DTensor and make_fx, so
-# it costs about twice a plain trace of the step. The expander skips the work that
-# leaves nothing in the program:
+# The expansion runs every op of the global graph through DTensor and records the
+# local ops DTensor runs. The expander skips the work that leaves nothing in the
+# program:
 # - Inputs are wrapped as DTensors as they are: ``DTensor.from_local`` adds a view of
 #   each input (an autograd detail), an identity view that every mode's passes drop
 #   (``remove_identity_views``).
@@ -265,10 +266,10 @@ class Expander(fx.Interpreter):
 #   redistributed copy stays right for every later reader.
 # - Redistributes skip the autograd Function around them (nothing here needs a
 #   gradient; ``_torch.redistribute_untracked``).
-# - make_fx runs without its torch-function mode (``_torch.make_fx_fake_lean``), which
-#   only notes on each node the torch function that made it (``meta["torch_fn"]``,
-#   read by nothing here) and costs every torch-level call the expander and DTensor
-#   make (17k on the GPT-2-small step on 16x4: ~2-3 us each).
+# - The local ops are recorded by a dispatch mode of this project's, not make_fx
+#   (NOTE [Recording the local program] in _torch.py): make_fx's per-op bookkeeping
+#   (proxies, a snapshot of every value, a torch-function mode noting each node's
+#   torch function) cost twice the ops themselves.
 # The local programs are the same as without these (the benchmark's GPT-2-small step
 # on a 16x4 mesh, both modes, compared node for node).
 

@@ -1,5 +1,5 @@
 """DTensorExpandMode: propagate the input layouts op by op with DTensor's sharding
-rules (NOTE [Expansion by one make_fx over an Interpreter] in ``_expand.py``), with
+rules (NOTE [Expansion by one recording over an Interpreter] in ``_expand.py``), with
 one policy on top: where a pending reduction may travel.
 """
 
