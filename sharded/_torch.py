@@ -1183,34 +1183,39 @@ def probe_op(op, args, kwargs, device_mesh):
 # needs back is the aten ops DTensor runs on those shards, in order, as a graph.
 # make_fx records them, at about twice the cost of running them (GPT-2-small on a
 # 16x4 mesh: 1.6 s against 0.5 s), on machinery the expansion does not use (proxy
-# objects per tensor, a snapshot of every value, python-dispatcher decompositions,
-# symbolic shapes). ``record_fake`` records them with a dispatch mode of its own:
+# objects per tensor, a snapshot of every value, a torch-function mode, symbolic
+# shapes). ``record_fake`` records them with a dispatch mode of its own, as make_fx
+# would:
 # - it stands above the fake mode, so it sees each aten op with fake tensors, runs it
-#   (the fake mode computes its output's metadata), and adds one node whose
-#   ``meta["val"]`` is that output (each element of a tuple through a ``getitem``);
+#   (the fake mode computes its output's metadata), and adds one node, named as
+#   make_fx names it, whose ``meta["val"]`` is that output (each element of a tuple
+#   through a ``getitem``);
 # - a tensor subclass (DTensor, an AsyncCollectiveTensor) is left to its own
 #   ``__torch_dispatch__``, which calls the aten ops on its local tensors: those are
 #   recorded;
 # - a tensor no recorded op made and no input is a constant: a real tensor (or the
-#   real value a fake one holds) read through ``get_attr``, as make_fx lifts it;
+#   real value a fake one holds) read through ``get_attr``; ``lift_fresh`` (how
+#   ``torch.tensor`` enters) is recorded as ``lift_fresh_copy``, so no op writes into
+#   the constant (an all-reduce reinplaced into ``axis_index``'s constant made each
+#   call's result differ: a silent wrong result, found in review);
 # - an op that returns one of its inputs (an in-place op, ``wait_tensor``) makes
-#   later readers read the new node, as make_fx tracks it;
-# - an op that reaches it while another op runs (the fake mode's own calls inside a
-#   factory op: a ``detach``) is not recorded, as make_fx has it;
+#   later readers read the new node; an op that writes its inputs first leaves each
+#   earlier value a copy (``unsqueeze_`` would change the shape an earlier node's
+#   value shows);
 # - an op with a CompositeImplicitAutograd kernel and none for the tensors' device
-#   (``narrow``, reached below autograd) runs as its decomposition, recorded op by op,
-#   as make_fx decomposes it;
-# - inside ``disable_proxy_modes_tracing()`` it records nothing, as make_fx: DTensor
-#   runs each op once on global-shaped fake tensors there to learn its output's
-#   shape (dead code in the local program, global-sized buffers if it ran).
+#   (reached below autograd) runs as its decomposition, recorded op by op;
+# - inside ``disable_proxy_modes_tracing()`` (looked up when called, as DTensor
+#   does) the recording thread records nothing: DTensor runs each op once on
+#   global-shaped fake tensors there to learn its output's shape (dead code in the
+#   local program, global-sized buffers if it ran).
 # Tensors are known by identity, held weakly (a dead tensor's entry goes with it, so
-# no identity is reused); a factory's value is a copy (``meta["val"]``), as torch's
-# binding of a factory (``torch.zeros``) returns a ``detach`` of a new tensor that
-# something else holds. A tensor that is neither made, nor an input, nor a constant
-# (a fake tensor with no known value, which make_fx would bake into the program as a
-# constant without a value) raises ``UntrackedTensor``. The programs are make_fx's
-# node for node (tests/test_expand.py; the benchmark's GPT-2-small step on a 16x4
-# mesh in both modes), and on that step the expansion takes 0.75 s instead of 1.6 s.
+# no identity is reused). A factory's value is a copy: torch's binding of a factory
+# (``torch.zeros``) returns a ``detach`` of the new tensor when something else holds
+# it. A tensor that is neither made, nor an input, nor a constant (a fake tensor with
+# no known value, which make_fx would bake into the program as a constant without a
+# value) raises ``UntrackedTensor``. The programs are make_fx's node for node after
+# the passes (tests/test_expand.py; the benchmark's GPT-2-small step on a 16x4 mesh
+# in both modes); the expansion of that step takes 0.75 s instead of 1.6 s.
 class UntrackedTensor(RuntimeError):
     pass
 
@@ -1219,6 +1224,7 @@ def record_fake(fn, inputs: list, fake_mode) -> torch.fx.GraphModule:
     """``fn(*inputs)`` (fake tensors of ``fake_mode``; ``fn`` returns a list of
     tensors) recorded as a graph of aten ops (NOTE [Recording the local program])."""
     import operator
+    import threading
 
     from torch._subclasses.fake_impls import fast_detach
     from torch._subclasses.fake_tensor import FakeTensor
@@ -1229,7 +1235,7 @@ def record_fake(fn, inputs: list, fake_mode) -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
     constants: dict = {}
     node_of = WeakTensorKeyDictionary()
-    factories: dict = {}        # op -> whether torch's binding of it may add a detach
+    ops: dict = {}      # op -> (its node name, a factory?, writes its inputs?)
 
     def track(t, node) -> None:
         node_of[t] = node
@@ -1255,19 +1261,25 @@ def record_fake(fn, inputs: list, fake_mode) -> torch.fx.GraphModule:
             return {k: arg(v) for k, v in a.items()}
         return a
 
-    paused, running = [0], [0]
-    disable_tracing = proxy_tensor.disable_proxy_modes_tracing
+    def about(func) -> tuple:
+        found = ops.get(func)
+        if found is None:
+            schema = func._schema
+            found = ops[func] = (graph._target_to_str(func.overloadpacket.__name__),
+                                 any(a.name == "pin_memory" for a in schema.arguments),
+                                 schema.is_mutable)
+        return found
+
     decomposed: dict = {}       # (op, device type) -> whether make_fx would decompose it
     kept = (torch.ops.aten.size.default, torch.ops.aten.stride.default,
             torch.ops.aten.storage_offset.default)
 
     def decomposes(func, args, kwargs) -> bool:
-        first = next((a for a in itertools.chain(args, kwargs.values())
-                      if isinstance(a, torch.Tensor)), None)
+        flat = torch.utils._pytree.tree_leaves((args, kwargs))
+        first = next((a for a in flat if isinstance(a, torch.Tensor)), None)
         key = (func, first.device.type if first is not None else None)
         found = decomposed.get(key)
         if found is None:
-            flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))]
             implicit = torch._C.DispatchKey.CompositeImplicitAutograd
             found = decomposed[key] = func not in kept and (
                 implicit in func.py_kernels
@@ -1275,41 +1287,43 @@ def record_fake(fn, inputs: list, fake_mode) -> torch.fx.GraphModule:
                 and proxy_tensor.autograd_would_have_decomposed(func, flat)
         return found
 
+    recording_thread = threading.get_ident()
+    paused = [0]
+    disable_tracing = proxy_tensor.disable_proxy_modes_tracing
+
     @contextlib.contextmanager
     def pause():
-        paused[0] += 1
+        mine = threading.get_ident() == recording_thread
+        paused[0] += mine
         try:
             with disable_tracing() as mode:
                 yield mode
         finally:
-            paused[0] -= 1
+            paused[0] -= mine
 
     class Recorder(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if any(t is not FakeTensor and t is not torch.Tensor for t in types):
                 return NotImplemented
-            if func is torch.ops.prim.device.default:       # (a query, as make_fx has it)
-                return func(*args, **kwargs)
-            if paused[0] or running[0]:     # (an op inside another's kernel: not the program's)
+            if func is torch.ops.prim.device.default or paused[0]:   # (a query; not recorded)
                 return func(*args, **kwargs)
             if decomposes(func, args, kwargs):
                 with self:
                     out = func.decompose(*args, **kwargs)
                 if out is not NotImplemented:
                     return out
-            running[0] += 1
-            try:
-                out = func(*args, **kwargs)
-            finally:
-                running[0] -= 1
-            node = graph.call_function(func, arg(args), arg(kwargs))
-            factory = factories.get(func)
-            if factory is None:
-                factory = factories[func] = any(a.name == "pin_memory" for a in func._schema.arguments)
+            if func is torch.ops.aten.lift_fresh.default:
+                func = torch.ops.aten.lift_fresh_copy.default
+            name, factory, writes = about(func)
+            if writes:      # the values earlier nodes show stay as they were
+                for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+                    node = node_of.get(a) if isinstance(a, FakeTensor) else None
+                    if node is not None and node.meta.get("val") is a:
+                        node.meta["val"] = fast_detach(fake_mode, a)
+            out = func(*args, **kwargs)
+            node = graph.call_function(func, arg(args), arg(kwargs), name=name)
             if factory and isinstance(out, FakeTensor):
-                # (a second reference to a new tensor makes torch's binding of a factory
-                # (torch.zeros) return a detach of it: the value is a copy)
                 node.meta["val"] = fast_detach(fake_mode, out)
                 track(out, node)
             else:

@@ -70,7 +70,8 @@ def reinplace_foreach(gm: fx.GraphModule, fused: bool = True) -> fx.GraphModule:
     g = gm.graph
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    # storages no op may write into: the inputs' (unless donated) and the outputs'
+    # storages no op may write into: the inputs' (unless donated), the constants' and
+    # the outputs'
     protected = set()
     donated = set()
     by_storage: dict = {}
@@ -81,6 +82,8 @@ def reinplace_foreach(gm: fx.GraphModule, fused: bool = True) -> fx.GraphModule:
                 by_storage.setdefault(key, []).append(n)
                 if n.op == "placeholder":
                     (donated if n.meta.get(_registry.META_DONATED) else protected).add(key)
+                elif n.op == "get_attr":        # a constant: every call reads it as it was
+                    protected.add(key)
     out_node = next(n for n in reversed(nodes) if n.op == "output")
     for n in out_node.all_input_nodes:
         for v in _vals(n):
