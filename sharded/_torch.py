@@ -1275,11 +1275,16 @@ def record_fake(fn, inputs: list, fake_mode) -> torch.fx.GraphModule:
             torch.ops.aten.storage_offset.default)
 
     def decomposes(func, args, kwargs) -> bool:
-        flat = torch.utils._pytree.tree_leaves((args, kwargs))
-        first = next((a for a in flat if isinstance(a, torch.Tensor)), None)
+        first = next((a for a in itertools.chain(args, kwargs.values())
+                      if isinstance(a, torch.Tensor)), None)
+        flat = None
+        if first is None:       # (tensors in a list: a foreach op's)
+            flat = torch.utils._pytree.tree_leaves((args, kwargs))
+            first = next((a for a in flat if isinstance(a, torch.Tensor)), None)
         key = (func, first.device.type if first is not None else None)
         found = decomposed.get(key)
         if found is None:
+            flat = flat if flat is not None else torch.utils._pytree.tree_leaves((args, kwargs))
             implicit = torch._C.DispatchKey.CompositeImplicitAutograd
             found = decomposed[key] = func not in kept and (
                 implicit in func.py_kernels
