@@ -8,6 +8,7 @@ DTensorExpandMode and both DataParallelMode layouts."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -130,6 +131,7 @@ def test_a_view_of_a_shard_laid_out_otherwise_copies_it_first():
 # -- the recording is make_fx's (NOTE [Recording the local program] in sharded/_torch.py) ---------
 
 _CAPTURED = torch.linspace(-1.0, 1.0, 8).reshape(2, 4)       # a real tensor the function closes over
+_MESH_TP = Mesh.abstract((2,), ("tp",))
 
 
 def _mixed(x, w, q, k, v):
@@ -147,9 +149,6 @@ def _mixed(x, w, q, k, v):
         return (region(h) * _CAPTURED).sum() + cat_cache(a).sum()
 
     return torch.func.grad_and_value(loss)(w)
-
-
-_MESH_TP = Mesh.abstract((2,), ("tp",))
 
 
 def _rank_sum(x, mesh):
@@ -247,6 +246,18 @@ def test_a_raw_recording_is_make_fxs():
     assert recorded == _program(make_fx(fn, tracing_mode="fake")(x))
     assert any("lift_fresh_copy" in line for line in recorded)
     assert any(line.startswith("call_function clone ") and "(3, 2)" in line for line in recorded)
+
+
+def test_a_fake_tensor_no_op_made_is_an_error_naming_its_shape():
+    """A fake tensor that is not an input, no recorded op made, and holds no value has
+    nothing the program could read it from."""
+    from sharded import _torch
+
+    fake = _torch.new_fake_mode()
+    with fake:
+        x, stray = torch.empty(3), torch.empty(5, 3)
+    with pytest.raises(_torch.UntrackedTensor, match=r"a fake tensor \(5, 3\) that no recorded op made"):
+        _torch.record_fake(lambda a: [a + stray], [x], fake)
 
 
 # -- values on real ranks ------------------------------------------------------------------------

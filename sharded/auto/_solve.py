@@ -232,9 +232,8 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
         # reader's by the layout they need it in (NOTE [The layout program])
         gp = _keyed_groups(units[u].strategies, lambda st: st[0][o])
         gq = _keyed_groups(units[n].strategies, lambda st: st[1][j])
-        if len(gp) > 1 and len(gq) > 1 and (rep[u], o, rep[n], j) in edge_y:
-            base = edge_y[(rep[u], o, rep[n], j)]     # the same edge of a shared block
-        elif len(gp) > 1 and len(gq) > 1:
+        base = edge_y.get((rep[u], o, rep[n], j))       # (the same edge of a shared block)
+        if len(gp) > 1 and len(gq) > 1 and base is None:
             base = edge_y[(rep[u], o, rep[n], j)] = nx + ny
             ny += len(gp) * len(gq)
             y_cost += [0.0] * (len(gp) * len(gq))
