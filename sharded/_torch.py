@@ -348,6 +348,13 @@ def fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2
     # sharded.optim: a 0-d tensor lr takes the kernel's tensor-lr overload (NOTE
     # [Traced hyperparameters] in sharded/optim.py)
     op = FUSED_ADAMW_TENSOR_LR if isinstance(lr, torch.Tensor) else FUSED_ADAMW
+    # NOTE [The fused kernel reads memory in order]: torch 2.13's CPU kernel walks
+    # each tensor's memory from its data pointer, numel elements, whatever its strides:
+    # a transposed gradient (an einsum's, a permute's) is read scrambled and an
+    # expanded one (the gradient of ``w.sum()``) past its storage's end. Every tensor
+    # goes in contiguous (a no-op, and no node in a traced program, where it already is).
+    params, grads, exp_avgs, exp_avg_sqs = (
+        [t.contiguous() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs))
     out = op(
         params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
         weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)

@@ -304,3 +304,36 @@ def test_accumulate_errors():
         optim.accumulate(fn, params, x, num_microbatches=4)
     with pytest.raises(ValueError, match="accumulate: num_microbatches must be an int >= 1; got 0"):
         optim.accumulate(fn, params, x, num_microbatches=0)
+
+
+def test_adamw_with_gradients_and_params_of_any_strides_matches_torch():
+    """NOTE [The fused kernel reads memory in order]: torch's CPU fused AdamW reads a
+    transposed gradient (an einsum's or a permute's, as torch.func.grad returns it)
+    scrambled and an expanded one (the gradient of ``w.sum()``) past its storage.
+    sharded.optim's fused path equals torch.optim.AdamW (the for-loop form) on them,
+    for a transposed parameter too, eagerly and traced."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 4, generator=g), "s": torch.randn(4, generator=g),
+              "t": torch.randn(5, 3, generator=g).t()}
+    x = torch.randn(4, 5, generator=g)
+
+    def loss(p):
+        return (torch.einsum("ij,jk->ik", x.t(), p["w"].t()).pow(2).sum() + 3 * p["s"].sum()
+                + (p["t"] @ torch.ones(5)).pow(2).sum())
+
+    grads = torch.func.grad(loss)(params)
+    assert not grads["w"].is_contiguous() and grads["s"].stride() == (0,), grads
+    assert not params["t"].is_contiguous()
+    ref = _reference(torch.optim.AdamW, params, [grads] * 3, lr=1e-2, weight_decay=0.1)
+
+    def steps(p, grads):
+        state = adamw_init(p)
+        for _ in range(3):
+            p, state = adamw(p, grads, state, lr=1e-2, weight_decay=0.1)
+        return p
+
+    torch.testing.assert_close(steps(params, grads), ref)
+    traced = make_fx(lambda p: steps(p, torch.func.grad(loss)(p)))
+    torch.testing.assert_close(traced(params)(params), ref)
