@@ -60,6 +60,13 @@ def is_mutating_op(target) -> bool:
     """True for an aten/custom op overload that writes into one of its inputs."""
     return isinstance(target, OpOverload) and target._schema.is_mutable
 
+
+def returns_fresh(target) -> bool:
+    """True for an op overload whose schema says its results alias none of its inputs
+    (``aten.cat``, ``aten.mm``; not ``aten.view`` or ``aten.reshape``: ``Tensor(a)``)."""
+    return isinstance(target, OpOverload) and not target._schema.is_mutable and all(
+        r.alias_info is None for r in target._schema.returns)
+
 # The functional collectives as they appear in traced graphs.
 c10d_functional = torch.ops._c10d_functional
 

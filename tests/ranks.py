@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import atexit
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from sharded.launch import RankPool
 
 _POOLS: dict[int, RankPool] = {}
@@ -29,3 +32,24 @@ def run(world_size: int, fn, *args, timeout: float = 300.0, **kwargs) -> list:
 def _close_all():
     for p in _POOLS.values():
         p.close()
+
+
+class InPlaceReductions(TorchDispatchMode):
+    """What the programs hand gloo to reduce in place (NOTE [All-reduces in place]):
+    gloo reduces ``numel`` elements from the data pointer, so each such tensor must be
+    contiguous and its whole storage (a bucket's piece is a view: gloo would write the
+    neighbours' elements; an expanded tensor: past the storage's end). Enter it
+    around a call after the first (the first call traces and compiles)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.bad = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_reduce_.default:
+            x = args[0]
+            self.seen += 1
+            if not (x.is_contiguous() and x.storage_offset() == 0
+                    and x.untyped_storage().nbytes() == x.numel() * x.element_size()):
+                self.bad.append((tuple(x.shape), x.storage_offset(), x.untyped_storage().nbytes()))
+        return func(*args, **(kwargs or {}))

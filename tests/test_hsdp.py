@@ -10,6 +10,7 @@ both axes."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import optree
@@ -20,6 +21,7 @@ from examples import gpt
 from sharded import Mesh, P, gather, optim, spec_of
 from sharded.modes import DataParallelMode, DTensorExpandMode
 from sharded.spec import local_shape
+from tests.ranks import InPlaceReductions
 from transforms import pjit
 
 AXES = ("dp_replicate", "dp_shard")
@@ -57,10 +59,13 @@ def _train(mesh_shape, names, sharding, steps=3, bucket_bytes=None):
     ids, targets = gpt.batch(CFG, 8, seed=1)
     p, o = params, optim.adamw_init(params)
     rp, ro = p, o
-    for _ in range(steps):
-        p, o, loss = step(p, o, ids, targets)
+    watch = InPlaceReductions()
+    for k in range(steps):
+        with watch if k else contextlib.nullcontext():     # (the first call compiles)
+            p, o, loss = step(p, o, ids, targets)
         rp, ro, ref = gpt.train_step(rp, ro, ids, targets, CFG)
         torch.testing.assert_close(gather(loss), ref, rtol=1e-5, atol=1e-5)
+    assert not watch.bad, f"in-place all-reduces of tensors that are not their storage: {watch.bad}"
     torch.testing.assert_close(gather(p), rp, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(gather(o), ro, rtol=1e-4, atol=1e-6)
     assert step.trace_count == 1
@@ -71,7 +76,9 @@ def _train(mesh_shape, names, sharding, steps=3, bucket_bytes=None):
         "calls": _calls(lowered),
         "text": lowered.as_text(),
         "layouts": lowered.layouts,
+        "in_place_reductions": watch.seen,
     }
+
 
 
 def _train_2x2():
@@ -155,6 +162,7 @@ def test_replicate_over_two_axes_is_ddp(on_ranks):
     assert {c[0] for c in r["calls"]} == {"all_reduce"}
     assert all(c[1] == AXES and c[3] == 4 for c in r["calls"]), r["calls"]
     assert sum(math.prod(c[2]) for c in r["calls"]) == total + 2
+    assert r["in_place_reductions"] > 0      # (its bucket is reduced in place: the watch saw it)
 
 
 def test_hsdp_with_tp_2x2x2_equals_one_device(on_ranks):

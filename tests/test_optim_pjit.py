@@ -7,12 +7,15 @@ DataParallelMode "replicate" and "shard", DTensorExpandMode)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from sharded import Mesh, P, gather, optim, shard
 from sharded.modes import DataParallelMode, DTensorExpandMode
 from tests.test_data_parallel import TP_SPECS, batch, init, loss_fn
+from tests.ranks import InPlaceReductions
 from transforms import pjit
 
 SCHED = optim.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=6, end_value=1e-3)
@@ -263,9 +266,12 @@ def _on_ranks(mesh_shape, names, runs, steps=3):
                  in_specs=TP if tp else DP, mesh=mesh, mode=MODES[mode]())
         p, o = params, optim.adamw_init(params)
         norms = []
-        for _ in range(steps):
-            p, o, _, norm = f(p, o, ids, targets)
+        watch = InPlaceReductions()
+        for k in range(steps):
+            with watch if k else contextlib.nullcontext():     # (the first call compiles)
+                p, o, _, norm = f(p, o, ids, targets)
             norms.append(gather(norm))
+        assert not watch.bad, f"in-place all-reduces of tensors that are not their storage: {watch.bad}"
         torch.testing.assert_close(torch.stack(norms), torch.stack(ref_norms), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(gather(p), ref, rtol=1e-4, atol=1e-5)
         assert f.trace_count == 1

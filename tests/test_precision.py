@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import optree
 import pytest
 import torch
@@ -23,6 +25,7 @@ import torch
 from examples import gpt
 from sharded import Mesh, P, gather, optim, precision, spec_of
 from sharded.modes import DataParallelMode, DTensorExpandMode
+from tests.ranks import InPlaceReductions
 from transforms import pjit
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -79,8 +82,10 @@ def _train(mesh_shape, names, mode, step_fn=sgd_step, tp=False, steps=3, batch_s
     ids, targets = gpt.batch(CFG, 8, seed=1)
     p, rp = p0, p0
     losses = []
-    for _ in range(steps):
-        p, loss = step(p, ids, targets)
+    watch = InPlaceReductions()
+    for k in range(steps):
+        with watch if k else contextlib.nullcontext():     # (the first call compiles)
+            p, loss = step(p, ids, targets)
         rp, ref_loss = ref(rp, ids, targets)
         assert loss.dtype == BF16 and ref_loss.dtype == BF16
         # one bf16 ulp at the loss's magnitude (the ranks sum their halves of the batch)
@@ -88,6 +93,7 @@ def _train(mesh_shape, names, mode, step_fn=sgd_step, tp=False, steps=3, batch_s
         losses.append(float(gather(loss)))
     worst = _close_updates(gather(p), rp, p0)
     assert losses[-1] < losses[0]
+    assert not watch.bad, f"in-place all-reduces of tensors that are not their storage: {watch.bad}"
     low = step.lower(p, ids, targets)
     return {"worst": worst, "specs": {k: spec_of(v) for k, v in p.items() if k != "blocks"},
             "collectives": sorted({(c.kind, str(c.dtype)) for c in low.collectives()}),

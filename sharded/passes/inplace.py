@@ -42,6 +42,15 @@ itself and its wait returns ``x``. Its result's values (the bucket's split piece
 the gradients) then live in ``x``'s storage, and ``memory()`` sees no second buffer.
 On the MLP 8x1024 step (32 MiB of gradients in 4-5 buckets) this is 32 MiB less
 copied per step.
+
+Gloo reduces ``numel`` elements from the tensor's data pointer whatever its strides
+or storage: on an expanded tensor it writes past the end of the storage, on a column
+slice into its neighbours. So "a tensor of its own" is checked on the program, not on
+``meta["val"]`` alone (a pass may give a node a value that is not what the op returns
+at run time: the bucketing pass's unpacked pieces are views of the bucket, valued as
+tensors of their own): ``x`` is made by an op whose schema returns a fresh tensor
+(``cat``, ``mm``, ...), or is a view, reshape or alias of one that keeps all its
+elements. A bucket's piece (a ``getitem`` of a ``split``) stays functional.
 """
 
 from __future__ import annotations
@@ -225,6 +234,10 @@ def _reinplace_fused(g: fx.Graph, n: fx.Node, writable, retarget) -> bool:
 
 
 _ALL_REDUCE = _torch.c10d_functional.all_reduce.default
+# views that keep every element of their one input: an all-reduce's input may be one
+# of these over a tensor of its own (NOTE [All-reduces in place])
+_VIEWS_OF_ONE = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+                 torch.ops.aten.reshape.default, torch.ops.aten.alias.default}
 _ALL_REDUCE_INPLACE = _torch.c10d_functional.all_reduce_.default
 
 
@@ -243,6 +256,12 @@ def _reinplace_all_reduce(g: fx.Graph, n: fx.Node, protected: set, by_storage: d
     if xv.shape != out.shape or xv.dtype != out.dtype or xv.storage_offset() != 0 \
             or xv.untyped_storage().nbytes() != xv.numel() * xv.element_size():
         return False      # x is a view into a larger buffer: leave it functional
+    root = x
+    while root.target in _VIEWS_OF_ONE and isinstance(root.args[0], fx.Node):
+        root = root.args[0]
+    if root.op != "call_function" or not _torch.returns_fresh(root.target) \
+            or _storage(root.meta.get("val")) != key:
+        return False      # not a tensor of its own by its producer's schema (see below)
     readers = [u for alias in by_storage.get(key, [x]) for u in alias.users if u is not n]
     if any(read_until(u) > pos[n] for u in readers):
         return False      # read after the all-reduce, or by a collective still in flight
