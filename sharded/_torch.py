@@ -63,9 +63,12 @@ def is_mutating_op(target) -> bool:
 
 def returns_fresh(target) -> bool:
     """True for an op overload whose schema says its results alias none of its inputs
-    (``aten.cat``, ``aten.mm``; not ``aten.view`` or ``aten.reshape``: ``Tensor(a)``)."""
+    (``aten.cat``, ``aten.mm``; not ``aten.view`` or ``aten.reshape``: ``Tensor(a)``).
+    A schema is no guarantee for composite ops (``einsum``, ``type_as``, ``dropout``
+    may return an input); recorded programs hold their decompositions, not them."""
     return isinstance(target, OpOverload) and not target._schema.is_mutable and all(
         r.alias_info is None for r in target._schema.returns)
+
 
 # The functional collectives as they appear in traced graphs.
 c10d_functional = torch.ops._c10d_functional
@@ -357,9 +360,10 @@ def fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2
     op = FUSED_ADAMW_TENSOR_LR if isinstance(lr, torch.Tensor) else FUSED_ADAMW
     # NOTE [The fused kernel reads memory in order]: torch 2.13's CPU kernel walks
     # each tensor's memory from its data pointer, numel elements, whatever its strides:
-    # a transposed gradient (an einsum's, a permute's) is read scrambled and an
-    # expanded one (the gradient of ``w.sum()``) past its storage's end. Every tensor
-    # goes in contiguous (a no-op, and no node in a traced program, where it already is).
+    # a transposed gradient (an einsum's, a permute's) is read scrambled, and in the
+    # in-place form an expanded one (the gradient of ``w.sum()``) past its storage's
+    # end. Every tensor goes in contiguous (a no-op, and no node in a traced program,
+    # where it already is; the expander does the same for the local shards).
     params, grads, exp_avgs, exp_avg_sqs = (
         [t.contiguous() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs))
     out = op(

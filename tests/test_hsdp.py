@@ -80,7 +80,6 @@ def _train(mesh_shape, names, sharding, steps=3, bucket_bytes=None):
     }
 
 
-
 def _train_2x2():
     return {s: _train((2, 2), AXES, s) for s in ("shard", "replicate")}
 

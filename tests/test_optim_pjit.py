@@ -14,8 +14,8 @@ import torch
 
 from sharded import Mesh, P, gather, optim, shard
 from sharded.modes import DataParallelMode, DTensorExpandMode
-from tests.test_data_parallel import TP_SPECS, batch, init, loss_fn
 from tests.ranks import InPlaceReductions
+from tests.test_data_parallel import TP_SPECS, batch, init, loss_fn
 from transforms import pjit
 
 SCHED = optim.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=6, end_value=1e-3)
@@ -259,7 +259,7 @@ def _on_ranks(mesh_shape, names, runs, steps=3):
     params = init()
     ids, targets = batch()
     ref, ref_norms = torch_reference(params, ids, targets, steps)
-    out = {}
+    out, in_place = {}, 0
     for mode, micro, tp, *rest in runs:
         clip = rest[0] if rest else True
         f = pjit(lambda p, o, i, t, m=micro, c=clip: train_step(p, o, i, t, micro=m, clip=c),
@@ -272,10 +272,12 @@ def _on_ranks(mesh_shape, names, runs, steps=3):
                 p, o, _, norm = f(p, o, ids, targets)
             norms.append(gather(norm))
         assert not watch.bad, f"in-place all-reduces of tensors that are not their storage: {watch.bad}"
+        in_place += watch.seen
         torch.testing.assert_close(torch.stack(norms), torch.stack(ref_norms), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(gather(p), ref, rtol=1e-4, atol=1e-5)
         assert f.trace_count == 1
         out[(mode, micro, tp, *rest)] = [n.item() for n in norms]
+    assert in_place > 0          # (the gradient buckets: the watch saw them)
     return out
 
 

@@ -715,3 +715,63 @@ def test_adding_zero_is_dropped_only_where_the_sum_is_the_value_itself():
         assert got.dtype == want.dtype and got.stride() == want.stride()
         torch.testing.assert_close(got, want, equal_nan=True)
     assert outs[3].untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr()
+
+
+def test_an_all_reduce_runs_in_place_only_on_a_tensor_its_producer_allocates():
+    """Gloo reduces ``numel`` elements from the data pointer (NOTE [All-reduces in
+    place]): a bucket's unpacked piece (``reshape(getitem(split(...)))``), valued as a
+    tensor of its own as the bucketing pass values it, is a view of the bucket at run
+    time and stays functional; a full view of a fresh tensor is reduced in place."""
+    import operator
+
+    import torch.fx as fx
+
+    from sharded._torch import WAIT_OP, c10d_functional
+    from sharded.passes import reinplace_foreach
+
+    aten = torch.ops.aten
+
+    def reduced(make_x):
+        with torch._subclasses.FakeTensorMode():
+            g = fx.Graph()
+            a = g.placeholder("a")
+            a.meta["val"] = torch.empty(16)
+
+            def call(fn, args, val):
+                node = g.call_function(fn, args)
+                node.meta["val"] = val
+                return node
+
+            x = make_x(call, call(aten.mul.Tensor, (a, 2), torch.empty(16)))
+            r = call(c10d_functional.all_reduce.default, (x, "sum", "g"), torch.empty(x.meta["val"].shape))
+            w = call(WAIT_OP, (r,), r.meta["val"])
+            g.output((call(aten.add.Tensor, (w, 1), torch.empty(w.meta["val"].shape)),))
+        gm = reinplace_foreach(fx.GraphModule(torch.nn.Module(), g))
+        return [n.target for n in gm.graph.nodes if n.target in (
+            c10d_functional.all_reduce.default, c10d_functional.all_reduce_.default)]
+
+    def piece(call, buf):
+        pieces = call(aten.split_with_sizes.default, (buf, [8, 8]), None)
+        return call(aten.reshape.default, (call(operator.getitem, (pieces, 1), None), [8]), torch.empty(8))
+
+    def full_view(call, buf):
+        return call(aten.view.default, (buf, [2, 8]), buf.meta["val"].view(2, 8))
+
+    assert reduced(piece) == [c10d_functional.all_reduce.default]
+    assert reduced(full_view) == [c10d_functional.all_reduce_.default]
+
+
+def test_a_foreach_op_is_not_reinplaced_over_another_view_of_what_it_writes():
+    """``_foreach_add([a[1:]], [a[:-1]])``: the operands are different nodes over one
+    storage; written in place, a[1:] would read elements it already wrote."""
+    from sharded.passes import reinplace_foreach
+
+    def f(p):
+        a = p * 2
+        return torch._foreach_add([a[1:]], [a[:-1]])[0]
+
+    gm = reinplace_foreach(make_fx(f, tracing_mode="fake")(torch.randn(6)))
+    gm.recompile()
+    assert "_foreach_add_" not in gm.code, gm.code
+    x = torch.randn(6)
+    torch.testing.assert_close(gm(x), f(x))

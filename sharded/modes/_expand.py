@@ -440,8 +440,8 @@ def _elementwise_lists(ex: Expander, target, args, kwargs):
         laid.append(a)
 
     def local(a):
-        if isinstance(a, DTensor):
-            return _torch.local_tensor(a)
+        if isinstance(a, DTensor):     # (NOTE [The fused kernel reads memory in order])
+            return _torch.local_tensor(a).contiguous()
         if isinstance(a, (list, tuple)):
             return [local(x) for x in a]
         return a

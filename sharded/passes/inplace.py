@@ -152,9 +152,11 @@ def reinplace_foreach(gm: fx.GraphModule, fused: bool = True) -> fx.GraphModule:
                or x.meta["val"].shape != o.shape or x.meta["val"].dtype != o.dtype
                or x.meta["val"].stride() != o.stride() for x, o in zip(xs, outs)):
             continue
-        if len({_storage(x.meta["val"]) for x in xs}) != len(xs) or any(
+        keys = {_storage(x.meta["val"]) for x in xs}
+        others = {_storage(a.meta.get("val")) for a in n.all_input_nodes if a not in xs}
+        if len(keys) != len(xs) or keys & others or any(
                 x in n.args[1:] or (isinstance(a, (list, tuple)) and x in a) for x in xs for a in n.args[1:]):
-            continue      # aliasing inside the op: leave it functional
+            continue      # aliasing inside the op (another view of a written storage too)
         with g.inserting_before(n):
             new = g.call_function(inplace, n.args, n.kwargs)
         new.meta["val"] = None
@@ -234,11 +236,11 @@ def _reinplace_fused(g: fx.Graph, n: fx.Node, writable, retarget) -> bool:
 
 
 _ALL_REDUCE = _torch.c10d_functional.all_reduce.default
+_ALL_REDUCE_INPLACE = _torch.c10d_functional.all_reduce_.default
 # views that keep every element of their one input: an all-reduce's input may be one
 # of these over a tensor of its own (NOTE [All-reduces in place])
 _VIEWS_OF_ONE = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
                  torch.ops.aten.reshape.default, torch.ops.aten.alias.default}
-_ALL_REDUCE_INPLACE = _torch.c10d_functional.all_reduce_.default
 
 
 def _reinplace_all_reduce(g: fx.Graph, n: fx.Node, protected: set, by_storage: dict, pos: dict,
@@ -259,9 +261,8 @@ def _reinplace_all_reduce(g: fx.Graph, n: fx.Node, protected: set, by_storage: d
     root = x
     while root.target in _VIEWS_OF_ONE and isinstance(root.args[0], fx.Node):
         root = root.args[0]
-    if root.op != "call_function" or not _torch.returns_fresh(root.target) \
-            or _storage(root.meta.get("val")) != key:
-        return False      # not a tensor of its own by its producer's schema (see below)
+    if not _torch.returns_fresh(root.target) or _storage(root.meta.get("val")) != key:
+        return False      # not a tensor of its own by its producer's schema (NOTE above)
     readers = [u for alias in by_storage.get(key, [x]) for u in alias.users if u is not n]
     if any(read_until(u) > pos[n] for u in readers):
         return False      # read after the all-reduce, or by a collective still in flight
