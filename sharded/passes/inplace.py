@@ -152,8 +152,8 @@ def reinplace_foreach(gm: fx.GraphModule, fused: bool = True) -> fx.GraphModule:
                or x.meta["val"].shape != o.shape or x.meta["val"].dtype != o.dtype
                or x.meta["val"].stride() != o.stride() for x, o in zip(xs, outs)):
             continue
-        keys = {_storage(x.meta["val"]) for x in xs}
-        others = {_storage(a.meta.get("val")) for a in n.all_input_nodes if a not in xs}
+        keys, written = {_storage(x.meta["val"]) for x in xs}, set(xs)
+        others = {_storage(a.meta.get("val")) for a in n.all_input_nodes if a not in written}
         if len(keys) != len(xs) or keys & others or any(
                 x in n.args[1:] or (isinstance(a, (list, tuple)) and x in a) for x in xs for a in n.args[1:]):
             continue      # aliasing inside the op (another view of a written storage too)
