@@ -8,6 +8,7 @@ Functions sent to the ranks must be module-level (importable by reference).
 from __future__ import annotations
 
 import atexit
+import contextlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,12 +39,19 @@ class InPlaceReductions(TorchDispatchMode):
     """What the programs hand gloo to reduce in place (NOTE [All-reduces in place]):
     gloo reduces ``numel`` elements from the data pointer, so each such tensor must be
     contiguous and its whole storage (a bucket's piece is a view: gloo would write the
-    neighbours' elements; an expanded tensor: past the storage's end). Enter it
-    around a call after the first (the first call traces and compiles)."""
+    neighbours' elements; an expanded tensor: past the storage's end)."""
 
     def __init__(self):
         super().__init__()
         self.seen, self.bad = 0, []
+
+    def on_call(self, k: int):
+        """The context for a pjit'd function's ``k``-th call (0-based): this watch
+        from the second call on (the first traces and compiles under no mode)."""
+        return self if k else contextlib.nullcontext()
+
+    def check(self) -> None:
+        assert not self.bad, f"in-place all-reduces of tensors that are not their storage: {self.bad}"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops._c10d_functional.all_reduce_.default:
