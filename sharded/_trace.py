@@ -86,8 +86,11 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
                     # does] in sharded/_torch.py)
                     # torch.utils.checkpoint calls become remat regions (NOTE
                     # [torch.utils.checkpoint while tracing] in sharded/_torch.py)
+                    # the trace's code is generated when read or run (NOTE [Code
+                    # generated once] in sharded/_torch.py)
                     with _torch.user_stack_traces(), _torch.export_tracing_state(), \
-                            _torch.torch_checkpoint_as(_remat.torch_checkpoint):
+                            _torch.torch_checkpoint_as(_remat.torch_checkpoint), \
+                            _torch.lazy_graph_modules():
                         gm = make_fx(traced, tracing_mode="fake")(*fakes)
                 finally:
                     if state is not None:

@@ -153,8 +153,8 @@ def passes_and_finalize(graph: fx.GraphModule, mode: ParallelMode, mesh, n_out: 
     changed = unalias_outputs(local, n_out)     # (residuals are not the user's)
     if agreement_point:
         _agreement_point(local)
-    if declared or changed or agreement_point:
-        local.recompile()
+    # the partition's module generated no code (NOTE [Code generated once] in _torch.py)
+    _torch.generate_code(local, stale=declared or changed or agreement_point)
     return local
 
 

@@ -775,3 +775,71 @@ def test_a_foreach_op_is_not_reinplaced_over_another_view_of_what_it_writes():
     assert "_foreach_add_" not in gm.code, gm.code
     x = torch.randn(6)
     torch.testing.assert_close(gm(x), f(x))
+
+
+def test_a_lowering_generates_its_programs_code_once_and_before_it_runs(monkeypatch):
+    """NOTE [Code generated once]: the trace, the loss rewrite's recompile and the
+    partition's recording generate no code; the local program's is generated once, by
+    ``lower()`` (a lowered program's first call does not pay for it), under the
+    declared pass list and under a mode that overrides ``transform_and_compile``
+    (which recompiles in it). The global program still shows its code when read."""
+    import torch.fx as fx
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    from examples import gpt
+    from sharded import Mesh, P, optim
+    from sharded.modes import DataParallelMode, DTensorExpandMode
+    from transforms import pjit
+
+    generated = []
+    real = fx.Graph.python_code
+
+    def counted(self, *args, **kwargs):
+        generated.append(len(self.nodes))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(fx.Graph, "python_code", counted)
+
+    class Custom(DTensorExpandMode):
+        def transform_and_compile(self, graph, mesh):
+            graph = super().transform_and_compile(graph, mesh)
+            graph.recompile()
+            return graph
+
+    cfg = gpt.tiny(n_layers=1, d_model=32, vocab=64, seq=8)
+    params = gpt.init_params(cfg)
+    state, (ids, tgt) = optim.adamw_init(params), gpt.batch(cfg, 4)
+    mesh = Mesh.abstract((2,), ("dp",))
+    for mode in (DTensorExpandMode(), DataParallelMode("shard"), Custom()):
+        generated.clear()
+        low = pjit(lambda *a: gpt.train_step(*a), in_specs=(None, None, P("dp"), P("dp")),
+                   mesh=mesh, static_argnums=(4,), mode=mode).lower(params, state, ids, tgt, cfg)
+        local = low.local_graph
+        assert generated == [len(local.graph.nodes)], (type(mode).__name__, generated)
+        assert not (isinstance(local, _LazyGraphModule) and local._needs_recompile())
+        assert "_fused_adamw" in local.code and generated == [len(local.graph.nodes)]
+        assert "nll_loss" in low.global_graph.code      # generated when read
+
+
+def test_positions_follow_nodes_as_they_move():
+    """NOTE [Positions in a graph]: ``_torch.POSITIONS`` orders nodes as the graph
+    does after inserts and moves (the passes compare places with it instead of a table
+    rebuilt after each move)."""
+    import torch.fx as fx
+
+    from sharded._torch import POSITIONS
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.neg, (x,))
+    b = g.call_function(torch.sin, (a,))
+    c = g.call_function(torch.cos, (b,))
+    g.output(c)
+    with g.inserting_before(b):
+        d = g.call_function(torch.exp, (a,))
+    a.prepend(g.call_function(torch.tan, (x,)))   # made at the end, moved to the front
+    c.prepend(d)            # d moves from before b to just before c
+    b.append(g.call_function(torch.abs, (b,)))
+    nodes = list(g.nodes)
+    assert sorted(nodes, key=POSITIONS.__getitem__) == nodes
+    assert POSITIONS[b] < POSITIONS[d] < POSITIONS[c]

@@ -77,6 +77,7 @@ import torch
 import torch.fx as fx
 
 from sharded import _torch
+from sharded._torch import POSITIONS as _POS
 from sharded.passes.cleanup import _is_pure
 
 _F = _torch.c10d_functional
@@ -292,17 +293,15 @@ def _merge(gm: fx.GraphModule, bucket: list[fx.Node]) -> None:
     gather = target is _ALL_GATHER
     if gather:       # issued where the first member was; the others' inputs move up
         anchor = bucket[0]
-        order = {n: i for i, n in enumerate(g.nodes)}
         for n in bucket[1:]:
-            move_before(n.args[0], anchor, order)
+            move_before(n.args[0], anchor)
     else:
         anchor = bucket[-1]
     n_ranks = _group_size(anchor)
     vals = [n.args[0].meta["val"] for n in bucket]
     outs = [n.meta["val"] for n in bucket]
     waits = [_wait_of(n) for n in bucket]
-    order = {n: i for i, n in enumerate(g.nodes)}
-    first_user = min((u for w in waits for u in w.users), key=order.__getitem__)
+    first_user = min((u for w in waits for u in w.users), key=_POS.__getitem__)
 
     def call(fn, args, val):
         node = g.call_function(fn, args)
@@ -351,21 +350,20 @@ def _movable_op(n: fx.Node) -> bool:
             and n.target is not _WAIT)
 
 
-def move_before(node, anchor: fx.Node, order: dict) -> bool:
+def move_before(node, anchor: fx.Node) -> bool:
     """Move ``node`` (and the pure ops it needs) up to just before ``anchor``, if it is
     not there already; False if something it needs cannot move (a collective, a wait,
     a random or mutating op, or ``anchor`` itself: two micro-batches' targets made from
     one view, moved up to one anchor, ``sharded.optim.accumulate``)."""
     if node is anchor:
         return False
-    if not isinstance(node, fx.Node) or order[node] < order[anchor] or node.op in ("placeholder", "get_attr"):
+    if not isinstance(node, fx.Node) or _POS[node] < _POS[anchor] or node.op in ("placeholder", "get_attr"):
         return True
     if not _movable_op(node):
         return False
-    if not all(move_before(a, anchor, order) for a in node.all_input_nodes):
+    if not all(move_before(a, anchor) for a in node.all_input_nodes):
         return False
     anchor.prepend(node)
-    order[node] = order[anchor] - 0.5
     return True
 
 
@@ -409,7 +407,7 @@ def hoist_reductions(gm: fx.GraphModule) -> fx.GraphModule:
     Gathers are not hoisted (that would gather every parameter at once;
     ``prefetch_all_gathers`` schedules them)."""
     nodes = list(gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
+    pos = _POS                  # (current as nodes move: NOTE [Positions in a graph])
     inputs = [n for n in nodes if n.op == "placeholder"]
     anchor = inputs[-1] if inputs else None    # then the previous reduction: order kept
     for n in nodes:
@@ -430,9 +428,6 @@ def hoist_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             if pos[m] > pos[at]:            # (a chain's op already earlier stays)
                 at.append(m)
                 at = m
-        # exact positions again: fractional ones collide once several reductions move
-        # behind one node, and a later reduction could then be placed before its input
-        pos = {m: i for i, m in enumerate(gm.graph.nodes)}
     return gm
 
 
@@ -581,8 +576,8 @@ def hoist_chained_reductions(gm: fx.GraphModule) -> fx.GraphModule:
     keeping the order of the reductions over each group (NOTE [Chained
     reductions]). Run after ``sink_waits`` and ``bound_reduce_scatters``."""
     targets = (_ALL_REDUCE, _REDUCE_SCATTER)
+    order = _POS                # (current as nodes move: NOTE [Positions in a graph])
     for r2 in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]:
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
         stops, pure = _impure_sources(r2.args[0])
         # (only what is computed from reductions' results alone: a gradient, which
         # the backward computes from the inputs too, stays where the passes put it)
@@ -599,7 +594,7 @@ def hoist_chained_reductions(gm: fx.GraphModule) -> fx.GraphModule:
         anchor = limit.next
         while anchor in pure:             # (already in place)
             anchor = anchor.next
-        if order[anchor] >= order[r2] or not move_before(r2.args[0], anchor, order):
+        if order[anchor] >= order[r2] or not move_before(r2.args[0], anchor):
             continue
         anchor.prepend(r2)
     return gm
@@ -653,8 +648,7 @@ def prefetch_all_gathers(gm: fx.GraphModule, ahead: int = 1) -> fx.GraphModule:
         wait = _wait_of(gathers[i - ahead])
         if wait is None:
             continue
-        order = {n: j for j, n in enumerate(gm.graph.nodes)}
-        if order[ag] <= order[wait]:
+        if _POS[ag] <= _POS[wait]:
             continue
-        move_before(ag, wait.next, order)
+        move_before(ag, wait.next)
     return gm

@@ -78,7 +78,7 @@ def reinplace_foreach(gm: fx.GraphModule, fused: bool = True) -> fx.GraphModule:
     will compile: it cannot compile the in-place form on donated inputs in 2.13)."""
     g = gm.graph
     nodes = list(g.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
+    pos = _torch.POSITIONS      # (current as nodes move: NOTE [Positions in a graph])
     # storages no op may write into: the inputs' (unless donated), the constants' and
     # the outputs'
     protected = set()
@@ -127,17 +127,15 @@ def reinplace_foreach(gm: fx.GraphModule, fused: bool = True) -> fx.GraphModule:
 
     for n in nodes:
         if n.op == "call_function" and n.target is _ALL_REDUCE:
-            if _reinplace_all_reduce(g, n, protected, by_storage, pos, read_until, retarget):
-                pos = {m: i for i, m in enumerate(g.nodes)}    # after a rewrite only
+            _reinplace_all_reduce(g, n, protected, by_storage, pos, read_until, retarget)
             continue
         if n.op == "call_function" and n.target in _FUSED:
-            if fused and _reinplace_fused(g, n, writable, retarget):
-                pos = {m: i for i, m in enumerate(g.nodes)}    # after a rewrite only
+            if fused:
+                _reinplace_fused(g, n, writable, retarget)
             continue
         pointwise = _inplace_pointwise(n)
         if pointwise is not None:
-            if _reinplace_pointwise(g, n, pointwise, donated, by_storage, writable, retarget):
-                pos = {m: i for i, m in enumerate(g.nodes)}    # after a rewrite only
+            _reinplace_pointwise(g, n, pointwise, donated, by_storage, writable, retarget)
             continue
         inplace = _inplace_foreach(n)
         if inplace is None:
@@ -171,7 +169,6 @@ def reinplace_foreach(gm: fx.GraphModule, fused: bool = True) -> fx.GraphModule:
                 lst = g.call_function(_identity_list, (list(xs), new))
             n.replace_all_uses_with(lst)
         g.erase_node(n)
-        pos = {m: i for i, m in enumerate(g.nodes)}    # after a rewrite only
     return gm
 
 

@@ -260,8 +260,7 @@ def count_targets_early(gm: fx.GraphModule) -> fx.GraphModule:
         # the targets as early as they can be (moved up with the views that make them
         # from an input), the count halfway from there to the loss
         start = inputs[-1].next if inputs else nodes[0]
-        order = {m: i for i, m in enumerate(g.nodes)}
-        where = start if move_before(target, start, order) else target.next
+        where = start if move_before(target, start) else target.next
         order = {m: i for i, m in enumerate(g.nodes)}
         where = max(where, list(g.nodes)[(order[where] + order[n]) // 2], key=order.__getitem__)
         with g.inserting_before(where):
