@@ -1268,7 +1268,7 @@ def probe_op(op, args, kwargs, device_mesh):
 #   all_to_all_single, wait_tensor) on a fake tensor runs its registered meta kernel
 #   directly, on the fake tensors: the fake mode caches only aten's ops, and its
 #   uncached path for these (meta copies of the inputs, the kernel, fake copies of
-#   the outputs) cost a fifth of DataParallelMode("shard")'s expansion of the
+#   the outputs) cost about a sixth of DataParallelMode("shard")'s expansion of the
 #   GPT-2-small step (372 collectives and as many waits); the kernels make their
 #   outputs with ``empty_like``/``new_empty``, which the fake mode runs and caches;
 # - a tensor subclass (DTensor, an AsyncCollectiveTensor) is left to its own
