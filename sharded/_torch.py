@@ -494,16 +494,28 @@ def release_fx_sources(since: int, keep=()) -> None:
 
     from torch.fx.graph_module import _loader
 
-    kept = {}
-    for gm in keep:
-        key = getattr(getattr(type(gm), "forward", None), "__code__", None)
-        if key is not None:
-            kept[key.co_filename] = gm
+    kept = {_source_key(type(gm)) for gm in keep}
     for key in list(_loader.eval_cache):
         if _source_id(key) >= since and key not in kept:
             _drop_source(key)
-    for key, gm in kept.items():
-        weakref.finalize(gm, _drop_source, key)
+    for gm in keep:
+        # (looked up when ``gm`` is freed: a lazy module generates its code, and so
+        # its source's key, only when it is read or run: NOTE [Code generated once])
+        weakref.finalize(gm, _drop_source_of, type(gm))
+
+
+def _source_key(cls) -> str | None:
+    """The key of the generated source of a graph module's class, or None (a lazy
+    module whose code was never generated)."""
+    code = getattr(cls.__dict__.get("forward"), "__code__", None)
+    return code.co_filename if code is not None and code.co_filename.startswith("<eval_with_key>") \
+        else None
+
+
+def _drop_source_of(cls) -> None:
+    key = _source_key(cls)
+    if key is not None:
+        _drop_source(key)
 
 
 def _source_id(key: str) -> int:
@@ -617,14 +629,21 @@ POSITIONS = _Positions()
 
 # NOTE [Code generated once]
 # A GraphModule generates its Python code (``gm.code``, ``forward``) when it is made and
-# on every ``recompile()``: 0.1-0.2 s each for a GPT-2-small step's program. The
-# lowering makes three modules whose code nothing runs (make_fx's global trace, the
+# on every ``recompile()``: 0.13-0.19 s each for the GPT-2-small step's programs. The
+# lowering made three modules whose code nothing runs (make_fx's global trace, the
 # loss rewrite's recompile of it, the partition's recording) before the local
 # program's passes. These are torch's ``_LazyGraphModule``s: ``recompile()`` only
 # marks the code stale, and reading ``code``, calling the module or pickling it
 # generates it then. The local program's code is generated once, at the end of the
 # lowering (``generate_code``), so that a lowered program's first call does not pay
-# for it.
+# for it. Not every path is down to one generation: a program with in-place ops is
+# traced again under functionalize, a joint (autograd) program is split by torch's
+# partitioner, and AUTO prices two candidates, each with modules of its own. The
+# sources of generated code are dropped when their module is freed, looked up then
+# (NOTE [Bounded caches]: a lazy module has none until it is read). torch's switch
+# for lazy modules is a process-wide flag, set for the duration of pjit's trace
+# (pjit's compiles hold ``COMPILE_LOCK``; another thread's make_fx meanwhile would
+# make lazy modules too, which behave the same).
 def lazy_graph_modules():
     """Context: GraphModules made inside it (make_fx's) generate their code only when
     it is read or run (NOTE [Code generated once])."""
@@ -1270,7 +1289,10 @@ def probe_op(op, args, kwargs, device_mesh):
 #   uncached path for these (meta copies of the inputs, the kernel, fake copies of
 #   the outputs) cost about a sixth of DataParallelMode("shard")'s expansion of the
 #   GPT-2-small step (372 collectives and as many waits); the kernels make their
-#   outputs with ``empty_like``/``new_empty``, which the fake mode runs and caches;
+#   outputs with ``empty_like``/``new_empty``, which the fake mode runs and caches.
+#   Not on a fake tensor that holds a constant (``axis_index``'s): the fake mode
+#   computes the collective of its value, where ``empty_like`` would give the
+#   result a constant of uninitialised memory;
 # - a tensor subclass (DTensor, an AsyncCollectiveTensor) is left to its own
 #   ``__torch_dispatch__``, which calls the aten ops on its local tensors: those are
 #   recorded;
@@ -1422,7 +1444,7 @@ def record_fake(fn, inputs: list, fake_mode) -> torch.fx.GraphModule:
                     if node is not None and node.meta.get("val") is a:
                         node.meta["val"] = fast_detach(fake_mode, a)
             fake_kernel = fake_kernels.get(func)
-            if fake_kernel is not None and type(args[0]) is FakeTensor:
+            if fake_kernel is not None and type(args[0]) is FakeTensor and args[0].constant is None:
                 out = fake_kernel(*args, **kwargs)      # (as the fake mode would, faster)
             else:
                 out = func(*args, **kwargs)

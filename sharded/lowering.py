@@ -141,10 +141,10 @@ class _Applied:
 def passes_and_finalize(graph: fx.GraphModule, mode: ParallelMode, mesh, n_out: int | None,
                         agreement_point: bool) -> fx.GraphModule:
     """The mode's passes, then finalize: no two of the first ``n_out`` outputs share
-    storage, and the agreement point. A mode with a declared pass list gets its code
-    generated once, at the end (each generation of a GPT-2-small step's local program
-    costs 0.08-0.14 s); a mode that overrides ``transform_and_compile`` recompiles in
-    it, and again here if finalize changed the graph."""
+    storage, and the agreement point. The program's code is generated once, here, at
+    the end (NOTE [Code generated once] in _torch.py), whether the mode declares a
+    pass list or overrides ``transform_and_compile`` (whose ``recompile()`` of the
+    partition's lazy module only marks its code stale)."""
     declared = type(mode).transform_and_compile is ParallelMode.transform_and_compile
     if declared:
         local = run_passes(graph, mode.passes, mode, recompile=False)

@@ -488,6 +488,16 @@ def test_a_thousand_compiles_do_not_grow_memory(mesh1, monkeypatch):
     assert len(pj._TABLES[f].programs) == 16           # an LRU per function
     assert len(_loader.eval_cache) - sources <= 2 * 16 + 2, "torch.fx kept generated sources"
     assert len(linecache.cache) - lines <= 2 * 16 + 2
+    # a program's global graph generates its code when read (NOTE [Code generated
+    # once]); its source goes with the program all the same
+    sources, lines = len(_loader.eval_cache), len(linecache.cache)
+    for k in range(100):
+        low = pjit(lambda x: x * 3 + k, in_specs=P(), mesh=mesh1).lower(torch.ones(3))
+        assert "mul" in low.global_graph.code
+    del low
+    gc.collect()
+    assert len(_loader.eval_cache) - sources <= 2, "a lazily generated source was kept"
+    assert len(linecache.cache) - lines <= 2
     assert len(FakeTensorMode.cache) <= 1024
     # A program kept per compile would cost ~60 KB each (18 MB for these 300); what
     # remains is torch's own tables (interned names, dispatch caches up to their
