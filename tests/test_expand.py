@@ -160,6 +160,14 @@ def _rank_sum(x, mesh):
                      out_specs=P("tp"))(x)
 
 
+def _exchange(x, mesh):
+    """An all-to-all in a region (a functional all_to_all_single and its wait)."""
+    from sharded import collectives as C, shard_map
+
+    return shard_map(lambda a: C.all_to_all(a * 2, "tp", 1, 0), mesh=mesh, in_specs=P("tp"),
+                     out_specs=P(None, "tp"))(x)
+
+
 def _program(gm) -> list[str]:
     """Each node: its op and name, its arguments (nodes by position), its value's
     shape, strides and dtype; a constant by its value."""
@@ -213,6 +221,8 @@ def test_the_recorded_program_is_make_fxs(monkeypatch):
             mesh=_MESH_TP).lower(torch.randn(2, 4), torch.randn(4, 8), q, k, v),
         "axis_index in a region": lambda: pjit(
             lambda x: _rank_sum(x, _MESH_TP), in_specs=P("tp"), mesh=_MESH_TP).lower(torch.randn(4, 2)),
+        "all_to_all in a region": lambda: pjit(
+            lambda x: _exchange(x, _MESH_TP), in_specs=P("tp"), mesh=_MESH_TP).lower(torch.randn(4, 6)),
     }
     srandom.manual_seed(0)
     recorded = {name: _program(lower().local_graph) for name, lower in cases.items()}
@@ -223,6 +233,13 @@ def test_the_recorded_program_is_make_fxs(monkeypatch):
     assert any("_c10d_functional" in line for line in recorded["gpt, Megatron on 2x2"])
     assert any(line.startswith("get_attr") for line in recorded["special ops, constants, sdpa"])
     assert any("lift_fresh_copy" in line for line in recorded["axis_index in a region"])
+    # the collectives' meta kernels run directly while recording (NOTE [Recording the
+    # local program]): each of them is in a case above (an all_reduce is all_reduce_
+    # after the passes: NOTE [All-reduces in place])
+    every = "\n".join(line for lines in recorded.values() for line in lines)
+    for op in ("all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_to_all_single", "wait_tensor"):
+        assert f"_c10d_functional.{op}.default" in every, op
 
 
 def test_a_raw_recording_is_make_fxs():
