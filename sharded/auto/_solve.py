@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -232,17 +233,25 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
         # reader's by the layout they need it in (NOTE [The layout program])
         gp = _keyed_groups(units[u].strategies, lambda st: st[0][o])
         gq = _keyed_groups(units[n].strategies, lambda st: st[1][j])
-        base = edge_y.get((rep[u], o, rep[n], j))       # (the same edge of a shared block)
-        if len(gp) > 1 and len(gq) > 1 and base is None:
-            base = edge_y[(rep[u], o, rep[n], j)] = nx + ny
-            ny += len(gp) * len(gq)
-            y_cost += [0.0] * (len(gp) * len(gq))
-            width = len(gq)
+        ys_of = edge_y.get((rep[u], o, rep[n], j))      # (the same edge of a shared block)
+        if len(gp) > 1 and len(gq) > 1 and ys_of is None:
+            # one y per pair of layouts, or per free pair on a follower's edge (NOTE
+            # [Moves after a pointwise op])
+            pairs = [(a, b) for a in range(len(gp)) for b in range(len(gq))]
+            if _follows(units, e, o):
+                free = [(a, b) for a, b in pairs
+                        if cm[gp[a][1][0], gq[b][1][0]] == 0.0 or _reduces(e, gp[a][1][0], gq[b][1][0])]
+                stuck = set(range(len(gp))) - {a for a, _ in free}
+                pairs = [(a, b) for a, b in pairs if a in stuck or (a, b) in free]
+            ys_of = edge_y[(rep[u], o, rep[n], j)] = {ab: nx + ny + i for i, ab in enumerate(pairs)}
+            ny += len(pairs)
+            y_cost += [0.0] * len(pairs)
             # sum_q y[p, q] = sum of x[u, k] over the k that give p, and
-            # sum_p y[p, q] = sum of x[n, s] over the s that need q
-            marginals = [([base + a * width + b for b in range(width)], offset[u], ks)
+            # sum_p y[p, q] = sum of x[n, s] over the s that need q (a pair without a
+            # y is 0)
+            marginals = [([ys_of[(a, b)] for b in range(len(gq)) if (a, b) in ys_of], offset[u], ks)
                          for a, (_, ks) in enumerate(gp)]
-            marginals += [([base + a * width + b for a in range(len(gp))], offset[n], ss)
+            marginals += [([ys_of[(a, b)] for a in range(len(gp)) if (a, b) in ys_of], offset[n], ss)
                           for b, (_, ss) in enumerate(gq)]
             for ys, at, xs in marginals:
                 rows += [r] * (len(ys) + len(xs))
@@ -258,7 +267,9 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
                 if cost == 0.0 and pool is None:
                     continue
                 if len(gp) > 1 and len(gq) > 1:
-                    term = (base + a * len(gq) + b,)
+                    if (a, b) not in ys_of:       # a move the program does not make
+                        continue
+                    term = (ys_of[(a, b)],)
                 elif len(gp) > 1:        # the reader needs one layout whatever it chooses
                     term = tuple(offset[u] + k for k in ks)
                 elif len(gq) > 1:        # the producer gives one layout whatever it chooses
@@ -388,6 +399,53 @@ def _within_budget(run, cost, mem, budget_mib, x0):
         else:
             fail_lam = mid
     return best
+
+
+# NOTE [Moves after a pointwise op]
+# Most of a model's edges are read by pointwise ops (a transformer's residual adds,
+# norms, activations and their backward) and by views, on values of up to 6 layouts
+# per mesh axis: one y per pair of layouts is 16 x 16 to 36 x 36 variables per edge on
+# a 2x2 mesh. A move before a pointwise op, a view or a copy whose output holds as many
+# elements of the same dtype can be made after it instead, at the same bytes: the op
+# runs in the layout its input came in, and its output moves (Alpa's "follow" of
+# elementwise ops, without forcing the op's layout). So such an edge gets y's only for
+# the pairs that move nothing (the same layout, or a local slice of a replicated dim)
+# or reduce (a sum pending: its latency is pooled with the reductions before the same
+# op, NOTE [Reductions are bucketed]; made after a division, a mean loss's sum would
+# pay a latency of its own), and every pair of a layout the producer gives that the
+# reader cannot take without a move. What this gives up: a gather or a re-slicing
+# that several such readers of one value need is made once per reader's output, and
+# one before a broadcasting partner's op (a bias, a scale) is not weighed against one
+# after it. NOTE [Two candidates] in _decide.py prices the propagation's program too.
+# Measured (the same optimum either way, tests/test_auto.py): the 1-layer Llama of
+# tests/test_auto.py on 2x2 with this machine's measured model, 161,449 -> 67,143
+# columns, HiGHS's root LP 93,381 -> 28,892 simplex iterations, 142 -> 16 s; gpt-tiny
+# on 2x2 (H100 table) 79,710 -> 45,858 columns.
+
+_COPIES = (torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default)
+
+
+def _follows(units: list[Unit], e: Edge, o: int) -> bool:
+    """Whether edge ``e`` (the producer's output ``o``) is read by a pointwise op, a
+    view or a copy whose output holds as many elements of the same dtype (NOTE [Moves
+    after a pointwise op])."""
+    reader = units[e.reader]
+    node = reader.node
+    if reader.kind != "op" or node is None or not reader.vals:
+        return False
+    op = node.target
+    if not isinstance(op, _torch.OpOverload) or not (
+            torch.Tag.pointwise in op.tags or op.is_view or op in _COPIES):
+        return False
+    val, out = units[e.producer].vals[o], reader.vals[0]
+    return (isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor)
+            and val.numel() == out.numel() and val.dtype == out.dtype)
+
+
+def _reduces(e: Edge, k: int, s: int) -> bool:
+    """Whether the move of edge ``e`` from the producer's strategy k to the reader's s
+    is a reduction (its latency pooled: NOTE [Reductions are bucketed])."""
+    return e.pools is not None and e.pools[k][s] is not None
 
 
 def _keyed_groups(strategies, key) -> list[tuple]:
