@@ -289,8 +289,9 @@ def _results(mesh_name) -> dict:
         names.append("llama")
     except ImportError:
         pass
-    # every model's solve in one call: the 1-layer Llama on 2x2 is a 161,000-column
-    # program whose root LP alone took 76 s on a slow day of the 2-core machine
+    # every model's solve in one call, on 4 ranks that share 2 cores here: the 1-layer
+    # Llama on 2x2 was a 161,449-column program whose root LP alone took 76 s on a slow
+    # day (67,143 columns since NOTE [Moves after a pointwise op]; the 2x2 batch 105 s)
     return ranks.run(WORLD[mesh_name], _equal_to_one_device, mesh_name, names, timeout=900)[0]
 
 
