@@ -50,6 +50,11 @@ from sharded.auto.cost import one_reduction, redistribute_seconds
 # step's outputs to the next with no redistribution.
 
 
+# A program of more columns than this (one y per pair of layouts on every edge) gets
+# fewer on the edges pointwise ops, views and copies read: NOTE [Moves after a
+# pointwise op]
+FOLLOW_ABOVE = 100_000
+
 # HiGHS stops when its best layout is provably within this fraction of the optimum
 # (a gap, not a time limit: every rank stops at the same point and decides alike).
 MIP_GAP = 0.01
@@ -224,23 +229,34 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
     moves: dict = {}
     pooled: dict = {}       # pool key -> (latency, terms): NOTE [Reductions are bucketed]
     edge_y: dict = {}       # (producer, output, reader, input) of the shared units -> y's base
+    # the edges with what they read, and the columns of the program with one y per
+    # pair of layouts on every edge: above FOLLOW_ABOVE, NOTE [Moves after a pointwise op]
+    grouped = []
+    full, counted = nx, set()
     for e in edges:
-        n, j, u, cm = e.reader, e.input, e.producer, e.cost
-        if not cm.any() and (e.pools is None or not any(map(any, e.pools))):
+        if not e.cost.any() and (e.pools is None or not any(map(any, e.pools))):
             continue
-        o = units[n].inputs[j][1]
+        o = units[e.reader].inputs[e.input][1]
         # group the producer's strategies by the layout they give this value, the
         # reader's by the layout they need it in (NOTE [The layout program])
-        gp = _keyed_groups(units[u].strategies, lambda st: st[0][o])
-        gq = _keyed_groups(units[n].strategies, lambda st: st[1][j])
+        gp = _keyed_groups(units[e.producer].strategies, lambda st: st[0][o])
+        gq = _keyed_groups(units[e.reader].strategies, lambda st: st[1][e.input])
+        grouped.append((e, o, gp, gq))
+        key = (rep[e.producer], o, rep[e.reader], e.input)
+        if len(gp) > 1 and len(gq) > 1 and key not in counted:
+            counted.add(key)
+            full += len(gp) * len(gq)
+    follow = full > FOLLOW_ABOVE
+    for e, o, gp, gq in grouped:
+        n, j, u, cm = e.reader, e.input, e.producer, e.cost
         ys_of = edge_y.get((rep[u], o, rep[n], j))      # (the same edge of a shared block)
         if len(gp) > 1 and len(gq) > 1 and ys_of is None:
             # one y per pair of layouts, or per free pair on a follower's edge (NOTE
             # [Moves after a pointwise op])
             pairs = [(a, b) for a in range(len(gp)) for b in range(len(gq))]
-            if _follows(units, e, o):
-                free = [(a, b) for a, b in pairs
-                        if cm[gp[a][1][0], gq[b][1][0]] == 0.0 or _reduces(e, gp[a][1][0], gq[b][1][0])]
+            if follow and _follows(units, e, o):
+                free = [(a, b) for a, b in pairs if cm[gp[a][1][0], gq[b][1][0]] == 0.0
+                        or (e.pools is not None and e.pools[gp[a][1][0]][gq[b][1][0]] is not None)]
                 stuck = set(range(len(gp))) - {a for a, _ in free}
                 pairs = [(a, b) for a, b in pairs if a in stuck or (a, b) in free]
             ys_of = edge_y[(rep[u], o, rep[n], j)] = {ab: nx + ny + i for i, ab in enumerate(pairs)}
@@ -405,22 +421,27 @@ def _within_budget(run, cost, mem, budget_mib, x0):
 # Most of a model's edges are read by pointwise ops (a transformer's residual adds,
 # norms, activations and their backward) and by views, on values of up to 6 layouts
 # per mesh axis: one y per pair of layouts is 16 x 16 to 36 x 36 variables per edge on
-# a 2x2 mesh. A move before a pointwise op, a view or a copy whose output holds as many
-# elements of the same dtype can be made after it instead, at the same bytes: the op
-# runs in the layout its input came in, and its output moves (Alpa's "follow" of
-# elementwise ops, without forcing the op's layout). So such an edge gets y's only for
-# the pairs that move nothing (the same layout, or a local slice of a replicated dim)
-# or reduce (a sum pending: its latency is pooled with the reductions before the same
-# op, NOTE [Reductions are bucketed]; made after a division, a mean loss's sum would
-# pay a latency of its own), and every pair of a layout the producer gives that the
-# reader cannot take without a move. What this gives up: a gather or a re-slicing
-# that several such readers of one value need is made once per reader's output, and
-# one before a broadcasting partner's op (a bias, a scale) is not weighed against one
-# after it. NOTE [Two candidates] in _decide.py prices the propagation's program too.
-# Measured (the same optimum either way, tests/test_auto.py): the 1-layer Llama of
-# tests/test_auto.py on 2x2 with this machine's measured model, 161,449 -> 67,143
-# columns, HiGHS's root LP 93,381 -> 28,892 simplex iterations, 142 -> 16 s; gpt-tiny
-# on 2x2 (H100 table) 79,710 -> 45,858 columns.
+# a 2x2 mesh, and a 1-layer Llama (tests/test_auto.py) on 2x2 was 161,449 columns,
+# 137,548 of them y's, which HiGHS took 142 s to solve here (93,381 simplex
+# iterations at the root). A move before a pointwise op, a view or a copy whose output
+# holds as many elements of the same dtype can mostly be made after it instead, at the
+# same bytes: the op runs in the layout its input came in, and its output moves
+# (Alpa's "follow" of elementwise ops, without forcing the op's layout). So, in a
+# program of more than FOLLOW_ABOVE columns, such an edge gets y's only for the pairs
+# that move nothing (the same layout, or a local slice of a replicated dim) or are a
+# reduction (its latency pooled with the reductions before the same op: NOTE
+# [Reductions are bucketed]; made after a division, a mean loss's sum would pay a
+# latency of its own), and every pair of a layout the producer gives that the reader
+# cannot take without a move. The Llama: 67,143 columns, 28,892 iterations, 15 s,
+# the same optimum; gpt-tiny, the MLP and a stack of identical layers on 2x2
+# (restricted at any size in tests/test_auto.py) the same optimum too.
+# What it gives up, and why smaller programs keep every pair: a move that several such
+# readers of one value need is made once per reader's output instead of once (the
+# docs/auto.md example, restricted: its squared error read by the forward's and the
+# backward's pow, each then gathered, where one gather before both was cheaper than
+# an all-reduce's latency: 14% over the optimum), and a partner input of the reader
+# may then move too. NOTE [Two candidates] in _decide.py prices the propagation's
+# program beside the solver's.
 
 _COPIES = (torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default)
 
@@ -440,12 +461,6 @@ def _follows(units: list[Unit], e: Edge, o: int) -> bool:
     val, out = units[e.producer].vals[o], reader.vals[0]
     return (isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor)
             and val.numel() == out.numel() and val.dtype == out.dtype)
-
-
-def _reduces(e: Edge, k: int, s: int) -> bool:
-    """Whether the move of edge ``e`` from the producer's strategy k to the reader's s
-    is a reduction (its latency pooled: NOTE [Reductions are bucketed])."""
-    return e.pools is not None and e.pools[k][s] is not None
 
 
 def _keyed_groups(strategies, key) -> list[tuple]:
