@@ -50,9 +50,9 @@ from sharded.auto.cost import one_reduction, redistribute_seconds
 # step's outputs to the next with no redistribution.
 
 
-# A program of more columns than this (one y per pair of layouts on every edge) gets
-# fewer on the edges pointwise ops, views and copies read: NOTE [Moves after a
-# pointwise op]
+# A program of more columns than this (its x's and one y per pair of layouts on every
+# edge; not the z's of moves and pools) gets fewer y's on the edges pointwise ops,
+# views and copies read: NOTE [Moves after a pointwise op]
 FOLLOW_ABOVE = 100_000
 
 # HiGHS stops when its best layout is provably within this fraction of the optimum
@@ -188,14 +188,33 @@ def edge_costs(units: list[Unit], model, mesh_shape, order: dict) -> list[Edge]:
     return out
 
 
+class _NoSolution(RuntimeError):
+    def __init__(self, message: str, fewer_pairs: bool):
+        super().__init__(message)
+        self.fewer_pairs = fewer_pairs
+
+
 def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
           ties: list[tuple[int, int, list[tuple[int, int]]]],
           shared: list[int] | None = None) -> Solution:
     """``memory``: (unit, bytes per strategy) for the units the budget counts;
     ``ties``: (unit a, unit b, pairs (k_a, k_b) that agree): a and b choose agreeing
     strategies; ``shared``: per unit, the earlier unit whose decision it takes (NOTE
-    [Identical blocks share decisions] in _blocks.py; None: each its own)."""
+    [Identical blocks share decisions] in _blocks.py; None: each its own). Raises
+    RuntimeError where the program has no solution, ``Infeasible`` where no layout
+    meets the budget."""
     t0 = time.perf_counter()
+    try:
+        return _solve(units, edges, memory, budget, ties, shared, t0, True)
+    except _NoSolution as e:
+        if not e.fewer_pairs:
+            raise
+    # the pairs a large program leaves out made it infeasible (a pricing is then a
+    # constraint: NOTE [Moves after a pointwise op]): solve it with every pair
+    return _solve(units, edges, memory, budget, ties, shared, t0, False)
+
+
+def _solve(units, edges, memory, budget, ties, shared, t0: float, may_follow: bool) -> Solution:
     rep = shared if shared is not None else list(range(len(units)))
     offset = []
     nx = 0
@@ -228,7 +247,7 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
     # its cost (NOTE [One move per value and layout])
     moves: dict = {}
     pooled: dict = {}       # pool key -> (latency, terms): NOTE [Reductions are bucketed]
-    edge_y: dict = {}       # (producer, output, reader, input) of the shared units -> y's base
+    edge_y: dict = {}       # (producer, output, reader, input) of the shared units -> {pair: y}
     # the edges with what they read, and the columns of the program with one y per
     # pair of layouts on every edge: above FOLLOW_ABOVE, NOTE [Moves after a pointwise op]
     grouped = []
@@ -246,7 +265,7 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
         if len(gp) > 1 and len(gq) > 1 and key not in counted:
             counted.add(key)
             full += len(gp) * len(gq)
-    follow = full > FOLLOW_ABOVE
+    follow = may_follow and full > FOLLOW_ABOVE
     for e, o, gp, gq in grouped:
         n, j, u, cm = e.reader, e.input, e.producer, e.cost
         ys_of = edge_y.get((rep[u], o, rep[n], j))      # (the same edge of a shared block)
@@ -255,8 +274,8 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
             # [Moves after a pointwise op])
             pairs = [(a, b) for a in range(len(gp)) for b in range(len(gq))]
             if follow and _follows(units, e, o):
-                free = [(a, b) for a, b in pairs if cm[gp[a][1][0], gq[b][1][0]] == 0.0
-                        or (e.pools is not None and e.pools[gp[a][1][0]][gq[b][1][0]] is not None)]
+                free = {(a, b) for a, b in pairs if cm[gp[a][1][0], gq[b][1][0]] == 0.0
+                        or _reduces(gp[a][0], gq[b][0])}
                 stuck = set(range(len(gp))) - {a for a, _ in free}
                 pairs = [(a, b) for a, b in pairs if a in stuck or (a, b) in free]
             ys_of = edge_y[(rep[u], o, rep[n], j)] = {ab: nx + ny + i for i, ab in enumerate(pairs)}
@@ -361,7 +380,7 @@ def solve(units: list[Unit], edges: list, memory: list, budget: int | None,
         res = milp(objective, integrality=integrality, bounds=bounds, constraints=cons,
                    options={"disp": False, "mip_rel_gap": MIP_GAP})
         if res.x is None:
-            raise RuntimeError(f"the layout program has no solution ({res.message})")
+            raise _NoSolution(f"the layout program has no solution ({res.message})", follow)
         return res.x
 
     x = run(cost)
@@ -428,11 +447,14 @@ def _within_budget(run, cost, mem, budget_mib, x0):
 # same bytes: the op runs in the layout its input came in, and its output moves
 # (Alpa's "follow" of elementwise ops, without forcing the op's layout). So, in a
 # program of more than FOLLOW_ABOVE columns, such an edge gets y's only for the pairs
-# that move nothing (the same layout, or a local slice of a replicated dim) or are a
-# reduction (its latency pooled with the reductions before the same op: NOTE
-# [Reductions are bucketed]; made after a division, a mean loss's sum would pay a
-# latency of its own), and every pair of a layout the producer gives that the reader
-# cannot take without a move. The Llama: 67,143 columns, 28,892 iterations, 15 s,
+# that move nothing (the same layout, or a local slice of a replicated dim) or
+# reduce a pending sum and otherwise only slice (an all-reduce, whose latency is
+# pooled with the reductions before the same op, NOTE [Reductions are bucketed]: made
+# after a division, a mean loss's sum would pay a latency of its own; a
+# reduce-scatter, which sequence parallelism makes before a norm or an add), and every
+# pair of a layout the producer gives that the reader cannot take without a move.
+# Pricing moves becomes forbidding some: where that leaves no solution, the program
+# is solved again with every pair. The Llama: 79,184 columns, 31,154 iterations, 22 s,
 # the same optimum; gpt-tiny, the MLP and a stack of identical layers on 2x2
 # (restricted at any size in tests/test_auto.py) the same optimum too.
 # What it gives up, and why smaller programs keep every pair: a move that several such
@@ -461,6 +483,22 @@ def _follows(units: list[Unit], e: Edge, o: int) -> bool:
     val, out = units[e.producer].vals[o], reader.vals[0]
     return (isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor)
             and val.numel() == out.numel() and val.dtype == out.dtype)
+
+
+def _reduces(p, q) -> bool:
+    """Whether p -> q (placements per mesh axis) reduces a pending sum and otherwise
+    only slices: on each axis where they differ, a Partial becomes Replicate or Shard
+    (an all-reduce, a reduce-scatter) or a Replicate becomes a Shard (a local slice);
+    at least one Partial goes (NOTE [Moves after a pointwise op])."""
+    reduced = False
+    for a, b in zip(p, q):
+        if a == b:
+            continue
+        if a.is_partial() and not b.is_partial():
+            reduced = True
+        elif not (a.is_replicate() and b.is_shard()):
+            return False
+    return reduced
 
 
 def _keyed_groups(strategies, key) -> list[tuple]:
