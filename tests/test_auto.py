@@ -291,7 +291,7 @@ def _results(mesh_name) -> dict:
         pass
     # every model's solve in one call, on 4 ranks that share 2 cores here: the 1-layer
     # Llama on 2x2 was a 161,449-column program whose root LP alone took 76 s on a slow
-    # day (79,184 since NOTE [Moves after a pointwise op]; this batch then took 105-122 s)
+    # day (79,184 since NOTE [Moves after a pointwise op]: benchmarks/bench_auto_solve.py)
     return ranks.run(WORLD[mesh_name], _equal_to_one_device, mesh_name, names, timeout=900)[0]
 
 

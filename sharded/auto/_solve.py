@@ -441,8 +441,8 @@ def _within_budget(run, cost, mem, budget_mib, x0):
 # norms, activations and their backward) and by views, on values of up to 6 layouts
 # per mesh axis: one y per pair of layouts is 16 x 16 to 36 x 36 variables per edge on
 # a 2x2 mesh, and a 1-layer Llama (tests/test_auto.py) on 2x2 was 161,449 columns,
-# 137,548 of them y's, which HiGHS took 142 s to solve here (93,381 simplex
-# iterations at the root). A move before a pointwise op, a view or a copy whose output
+# 137,548 of them y's: HiGHS took 70 s on the H100 table, 142 s on this machine's
+# measured model. A move before a pointwise op, a view or a copy whose output
 # holds as many elements of the same dtype can mostly be made after it instead, at the
 # same bytes: the op runs in the layout its input came in, and its output moves
 # (Alpa's "follow" of elementwise ops, without forcing the op's layout). So, in a
@@ -454,8 +454,9 @@ def _within_budget(run, cost, mem, budget_mib, x0):
 # reduce-scatter, which sequence parallelism makes before a norm or an add), and every
 # pair of a layout the producer gives that the reader cannot take without a move.
 # Pricing moves becomes forbidding some: where that leaves no solution, the program
-# is solved again with every pair. The Llama: 79,184 columns, 31,154 iterations, 22 s,
-# the same optimum; gpt-tiny, the MLP and a stack of identical layers on 2x2
+# is solved again with every pair. The Llama: 79,184 columns, 18 s, the same optimum
+# (benchmarks/bench_auto_solve.py, benchmarks/results/auto_solve.json; 22 s on the
+# measured model); gpt-tiny, the MLP and a stack of identical layers on 2x2
 # (restricted at any size in tests/test_auto.py) the same optimum too.
 # What it gives up, and why smaller programs keep every pair: a move that several such
 # readers of one value need is made once per reader's output instead of once (the
