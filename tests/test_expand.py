@@ -123,7 +123,9 @@ def test_a_view_of_a_shard_laid_out_otherwise_copies_it_first():
     4, 32, 1)" from torch's view (AUTO's plan for GPT-2-small on 8x8 met it)."""
     mesh = Mesh.abstract((2,), ("tp",))
     lowered = pjit(heads_merged, in_specs=P(None, None, "tp"), mesh=mesh).lower(torch.empty(2, 8, 4, 4))
-    assert _node_shapes(lowered, aten.view.default)[0] == [(2, 8, 4, 4)]
+    # (the gather's own view of its blocks comes first: NOTE [One collective for a move
+    # on one axis] in sharded/_torch.py)
+    assert [(2, 8, 4, 4)] in _node_shapes(lowered, aten.view.default)
     clones = [n for n in lowered.local_graph.graph.nodes if n.target is aten.clone.default]
     assert clones and clones[-1].users and next(iter(clones[-1].users)).target is aten.view.default
 
@@ -320,3 +322,71 @@ def test_values_equal_one_device_on_ranks(on_ranks):
     results = on_ranks(2, _cases_on_ranks)[0]
     assert len(results) == 11
     assert {k: v for k, v in results.items() if v is not None} == {}
+
+
+# -- one collective for a move on one axis ---------------------------------------------------------
+
+def _one_collective_moves():
+    """Each move of NOTE [One collective for a move on one axis] (sharded/_torch.py)
+    against DTensor's own redistribute of the same DTensor: the local results equal
+    bitwise, with the same shape and strides; the moves it leaves to DTensor (uneven,
+    one dim split over two axes) return None."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from sharded import _torch
+
+    rank = dist.get_rank()
+    flat = Mesh((4,), ("dp",)).device_mesh
+    square = Mesh((2, 2), ("dp", "tp")).device_mesh
+    R, S = Replicate(), Shard
+    # (mesh, source placements, target placements, global shape, local made transposed)
+    moves = [
+        (flat, (S(0),), (R,), (8, 3), False), (flat, (S(1),), (R,), (3, 8), False),
+        (flat, (S(2),), (R,), (2, 3, 8), False), (flat, (S(1),), (R,), (3, 8), True),
+        (flat, (Partial(),), (S(0),), (8, 3), False), (flat, (Partial(),), (S(1),), (3, 8), False),
+        (flat, (Partial(),), (S(2),), (2, 3, 8), False), (flat, (Partial(),), (S(1),), (3, 8), True),
+        (square, (S(0), S(1)), (R, S(1)), (4, 6), False),
+        (square, (Partial(), S(0)), (S(1), S(0)), (4, 6), False),
+        (square, (S(0), Partial()), (S(0), S(1)), (4, 6), True),
+    ]
+    left = [(flat, (S(0),), (R,), (5, 3)), (flat, (Partial(),), (S(1),), (3, 6)),
+            (square, (S(0), S(0)), (R, S(0)), (8, 3)), (square, (Partial(), R), (R, R), (4, 6))]
+    out = []
+    g = torch.Generator().manual_seed(rank)
+    for dm, src, dst, shape, transposed in moves:
+        if any(isinstance(p, Partial) for p in src):
+            local_shape = list(shape)
+            for p, n in zip(src, dm.shape):
+                if isinstance(p, Shard):
+                    local_shape[p.dim] //= n
+            local = torch.randn(*local_shape, generator=g)      # each rank's own summand
+            if transposed:
+                local = local.t().contiguous().t()
+            dt = DTensor.from_local(local, dm, src, run_check=False, shape=torch.Size(shape),
+                                    stride=torch.empty(shape).stride())
+        else:
+            full = torch.randn(*shape, generator=torch.Generator().manual_seed(7))
+            dt = distribute_tensor(full, dm, src)
+            if transposed:
+                dt = DTensor.from_local(dt.to_local().t().contiguous().t(), dm, src, run_check=False,
+                                        shape=dt.shape, stride=dt.stride())
+        want = dt.redistribute(dm, dst).to_local()
+        got = _torch._one_collective(dt.to_local(), dt._spec, dst)
+        out.append((str(src), str(dst), shape, transposed, got is not None and torch.equal(got, want)
+                    and got.stride() == want.stride(), tuple(want.shape)))
+    for dm, src, dst, shape in left:
+        full = torch.randn(*shape, generator=torch.Generator().manual_seed(7))
+        dt = distribute_tensor(full, dm, [R if isinstance(p, Partial) else p for p in src])
+        if any(isinstance(p, Partial) for p in src):
+            dt = DTensor.from_local(dt.to_local(), dm, src, run_check=False)
+        out.append((str(src), str(dst), shape, "left to DTensor",
+                    _torch._one_collective(dt.to_local(), dt._spec, dst) is None, None))
+    return out
+
+
+def test_one_collective_per_move_equals_dtensors_on_ranks(on_ranks):
+    results = on_ranks(4, _one_collective_moves)
+    for rank, moves in enumerate(results):
+        assert len(moves) == 15
+        assert [m for m in moves if m[4] is not True] == [], rank
