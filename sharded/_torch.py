@@ -235,11 +235,16 @@ def redistribute_untracked(dt: DTensor, placements) -> DTensor:
 # copy. DTensor's path makes the same collective, but moves dim d != 0 as one slice
 # per rank and a cat (a 16-way axis: 16 slices and a cat per gradient to record and
 # to run), and adds a narrow to every gather; its planner and padding checks cost
-# more than the collective itself while recording (GPT-2-small on a 16x4 mesh in
-# DataParallelMode("shard"): 0.69 s of the expansion's 0.96 s of redistributes). The
-# local results have the shape, strides and values DTensor's have (contiguous);
-# anything else (uneven, nested splits of one dim, other reductions) takes
-# DTensor's path.
+# more than the collective itself while recording. The local results have the
+# shape, strides and values DTensor's have (contiguous); anything else (uneven,
+# nested splits of one dim, other reductions) takes DTensor's path. DTensor's narrow
+# (an identity slice on every dim of more than 256, where Python's small-int cache
+# ends) was the gather's only reader, which hid the parameter's readers from
+# ``regather_distant_uses``: a parameter of more than 256 rows was never gathered
+# again for the backward (FSDP's reshard after forward), its gathered value kept
+# alive across the step (tests/test_passes.py). On the GPT-2-small step on a 16x4
+# mesh in DataParallelMode("shard") the local program has 4379 nodes instead of
+# 5104 (benchmarks/results/compile_abstract.json).
 def _one_collective(local: torch.Tensor, spec, placements: tuple) -> torch.Tensor | None:
     from torch.distributed.tensor import Replicate, Shard
 
@@ -259,6 +264,8 @@ def _one_collective(local: torch.Tensor, spec, placements: tuple) -> torch.Tenso
             or mesh.get_coordinate() is None:
         return None
     g = mesh.size(i)
+    if g == 1:              # (DTensor moves nothing on an axis of one rank)
+        return local
     if spec.shape[d] % g or (not gather and local.shape[d] % g):
         return None
     group = mesh.get_group(i).group_name

@@ -297,6 +297,47 @@ def test_gather_buckets_follow_units():
         assert len(set(members)) == len(members)
 
 
+def _tanh_blocks_step(params, x):
+    def loss(p):
+        h = x
+        for b in p["blocks"]:
+            h = torch.tanh(h @ b["w"]) * b["s"]
+        return h.sum()
+
+    g = torch.func.grad(loss)(params)
+    return torch.utils._pytree.tree_map(lambda a, b: a - 0.1 * b, params, g)
+
+
+def test_every_parameter_is_gathered_again_for_the_backward_whatever_its_size():
+    """regather_distant_uses sees a gathered parameter's readers whatever its size:
+    DTensor's gather ended in an identity slice on a dim of more than 256 (Python's
+    small-int cache), the gather's only reader, so a scale of 512 was gathered once and
+    kept alive from the forward to the backward, where one of 64 was gathered again
+    (NOTE [One collective for a move on one axis] in sharded/_torch.py). Three blocks
+    ``tanh(h @ w) * s`` in DataParallelMode("shard"), one parameter per bucket: the
+    same gathers at 64 and at 512, and each block's scale gathered in the forward and
+    again in the backward but the last block's (its backward follows at once)."""
+    from sharded import Mesh, P
+    from sharded.modes import DataParallelMode
+    from transforms import pjit
+
+    def gathers(rows):
+        params = {"blocks": [{"w": torch.randn(rows, rows), "s": torch.randn(rows)} for _ in range(3)]}
+        low = pjit(lambda p, x: _tanh_blocks_step(p, x), in_specs=(P(), P("dp")),
+                   mesh=Mesh.abstract((2,), ("dp",)),
+                   mode=DataParallelMode("shard", bucket_bytes=1)).lower(params, torch.randn(4, rows))
+        count: dict = {}
+        for members in _gather_buckets(low.local_graph):
+            for m in members:
+                path = m.meta["sharded_path"].removeprefix("args[0]['blocks']")
+                count[path] = count.get(path, 0) + 1
+        return count
+
+    small = gathers(64)
+    assert small == gathers(512)
+    assert [small[f"[{b}]['s']"] for b in range(3)] == [2, 2, 1]
+
+
 def test_reduce_scatters_in_flight_are_bounded():
     """bound_reduce_scatters under DataParallelMode("shard"): each reduce-scatter is
     waited for before the next one is issued (a reduce-scatter's input, full-size
