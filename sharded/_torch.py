@@ -242,9 +242,10 @@ def redistribute_untracked(dt: DTensor, placements) -> DTensor:
 # ends) was the gather's only reader, which hid the parameter's readers from
 # ``regather_distant_uses``: a parameter of more than 256 rows was never gathered
 # again for the backward (FSDP's reshard after forward), its gathered value kept
-# alive across the step (tests/test_passes.py). On the GPT-2-small step on a 16x4
-# mesh in DataParallelMode("shard") the local program has 4379 nodes instead of
-# 5104 (benchmarks/results/compile_abstract.json).
+# alive across the step (tests/test_passes.py; the slices DTensor still makes in its
+# own redistributes, inside an op, are dropped by ``remove_identity_views``). On the
+# GPT-2-small step on a 16x4 mesh in DataParallelMode("shard") the local program has
+# 4379 nodes instead of 5104 (benchmarks/results/compile_abstract.json).
 def _one_collective(local: torch.Tensor, spec, placements: tuple) -> torch.Tensor | None:
     from torch.distributed.tensor import Replicate, Shard
 

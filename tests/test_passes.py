@@ -311,9 +311,10 @@ def _tanh_blocks_step(params, x):
 def test_every_parameter_is_gathered_again_for_the_backward_whatever_its_size():
     """regather_distant_uses sees a gathered parameter's readers whatever its size:
     DTensor's gather ended in an identity slice on a dim of more than 256 (Python's
-    small-int cache), the gather's only reader, so a scale of 512 was gathered once and
-    kept alive from the forward to the backward, where one of 64 was gathered again
-    (NOTE [One collective for a move on one axis] in sharded/_torch.py). Three blocks
+    small-int cache), a reader of the gathered value, so a scale of 512 was gathered
+    once and kept alive from the forward to the backward, where one of 64 was gathered
+    again (NOTE [One collective for a move on one axis] in sharded/_torch.py;
+    ``remove_identity_views`` drops the slices DTensor makes inside an op). Three blocks
     ``tanh(h @ w) * s`` in DataParallelMode("shard"), one parameter per bucket: the
     same gathers at 64 and at 512, and each block's scale gathered in the forward and
     again in the backward but the last block's (its backward follows at once)."""
@@ -321,21 +322,27 @@ def test_every_parameter_is_gathered_again_for_the_backward_whatever_its_size():
     from sharded.modes import DataParallelMode
     from transforms import pjit
 
-    def gathers(rows):
+    def gathers(rows, mesh=Mesh.abstract((2,), ("dp",)), specs=P()):
         params = {"blocks": [{"w": torch.randn(rows, rows), "s": torch.randn(rows)} for _ in range(3)]}
-        low = pjit(lambda p, x: _tanh_blocks_step(p, x), in_specs=(P(), P("dp")),
-                   mesh=Mesh.abstract((2,), ("dp",)),
+        low = pjit(lambda p, x: _tanh_blocks_step(p, x), in_specs=(specs, P("dp")), mesh=mesh,
                    mode=DataParallelMode("shard", bucket_bytes=1)).lower(params, torch.randn(4, rows))
         count: dict = {}
         for members in _gather_buckets(low.local_graph):
             for m in members:
-                path = m.meta["sharded_path"].removeprefix("args[0]['blocks']")
+                path = m.meta["sharded_path"].removeprefix("args[0]['blocks']") if m is not None else None
                 count[path] = count.get(path, 0) + 1
         return count
 
     small = gathers(64)
     assert small == gathers(512)
     assert [small[f"[{b}]['s']"] for b in range(3)] == [2, 2, 1]
+    # 2x2, the weights column-parallel: the slice was one of the scale's readers, from
+    # a gather DTensor makes inside the op that reads it (removed as an identity view)
+    mesh = Mesh.abstract((2, 2), ("dp", "tp"))
+    specs = {"blocks": [{"w": P(None, "tp"), "s": P()} for _ in range(3)]}
+    small = gathers(64, mesh, specs)
+    assert small == gathers(512, mesh, specs)
+    assert small["[0]['s']"] == 3
 
 
 def test_reduce_scatters_in_flight_are_bounded():

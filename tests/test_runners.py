@@ -147,7 +147,10 @@ def _compiled_data_parallel_step():
     first, _runner.FIRST_CHECK = _runner.FIRST_CHECK, 1
     try:
         mesh = Mesh((2,), ("dp",))
-        step = pjit(dpm.train_step, in_specs=dpm._specs(False), mesh=mesh,
+        # a function of its own: the pooled ranks keep each program's run state (how
+        # long it has run as a graph), and test_data_parallel runs dpm.train_step's
+        # program on this mesh first (this test then failed after it, on every tree)
+        step = pjit(lambda *a: dpm.train_step(*a), in_specs=dpm._specs(False), mesh=mesh,
                     mode=DataParallelMode("shard"))
         params = dpm.init()
         opt = optim.adamw_init(params)

@@ -130,15 +130,18 @@ def remove_trivial_collectives(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+# (a slice to its input's shape takes every element: DTensor's gather ends in one on
+# every dim of more than 256, where Python's small-int cache ends)
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-          torch.ops.aten.reshape.default}
+          torch.ops.aten.reshape.default, torch.ops.aten.slice.Tensor}
 
 
 def remove_identity_views(gm: fx.GraphModule) -> fx.GraphModule:
-    """Drop views to the shape their input already has (the expansion leaves many:
-    149 of 204 views in a small GPT's data-parallel step). In a functional graph the
-    alias is not needed; a view that feeds an output is kept, so outputs never alias
-    inputs."""
+    """Drop views and slices to the shape their input already has (the expansion
+    leaves many: 149 of 204 views in a small GPT's data-parallel step). In a
+    functional graph the alias is not needed; a view that feeds an output is kept, so
+    outputs never alias inputs. An identity slice after a gather was the gather's
+    reader where the parameter's readers were meant (``regather_distant_uses``)."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _VIEWS:
             continue
