@@ -245,7 +245,8 @@ def redistribute_untracked(dt: DTensor, placements) -> DTensor:
 # alive across the step (tests/test_passes.py; the slices DTensor still makes in its
 # own redistributes, inside an op, are dropped by ``remove_identity_views``). On the
 # GPT-2-small step on a 16x4 mesh in DataParallelMode("shard") the local program has
-# 4379 nodes instead of 5104 (benchmarks/results/compile_abstract.json).
+# 4378 nodes instead of 5104, with identity slices dropped too
+# (benchmarks/results/compile_abstract.json).
 def _one_collective(local: torch.Tensor, spec, placements: tuple) -> torch.Tensor | None:
     from torch.distributed.tensor import Replicate, Shard
 
