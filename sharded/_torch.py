@@ -755,8 +755,8 @@ def user_stack_traces(depth: int = 4):
         os.path.dirname(torch.__file__), here, os.path.join(os.path.dirname(here), "transforms"),
         sysconfig.get_paths()["stdlib"]))
     # by the code object's id, the code object kept alive with the answer: hashing a
-    # code object hashes its bytecode and constants (torch's large dispatch functions:
-    # three quarters of this hook's time on GPT-2-small)
+    # code object hashes its bytecode and constants (torch's dispatch functions are
+    # large, and the walk passes dozens of them per node)
     is_user: dict = {}
     texts: dict = {}            # the user's frames -> their formatted text
     create_node = TracerBase.create_node
