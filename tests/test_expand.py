@@ -335,7 +335,8 @@ def _one_collective_moves():
     """Each move of NOTE [One collective for a move on one axis] (sharded/_torch.py)
     against DTensor's own redistribute of the same DTensor: the local results equal
     bitwise, with the same shape and strides; the moves it leaves to DTensor (uneven,
-    one dim split over two axes) return None."""
+    one dim split over two axes, avg and max partials, Partial -> Replicate) return
+    None."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
