@@ -378,13 +378,41 @@ _patch_strided_shard_helper()
 # unhashable. pjit expands with static shapes only, so the caches are safe, and
 # without them each op re-plans from scratch. While this context is active, those two
 # modules see "not tracing"; the functional collectives (which decide whether to
-# wait eagerly) are not affected.
+# wait eagerly) are not affected. Two more paths skip a cache while tracing, and are
+# given one here for as long as the context lasts:
+# - The C++ dispatch cache's misses land in `propagate_op_sharding_non_cached`, which
+#   does not look in the Python cache that `propagate` (planned_redistributions, the
+#   batch check) fills: an op that was planned first was propagated twice. The
+#   propagator's instance attribute now goes through that cache.
+# - `redistribute_cost` (called for every candidate strategy times every input when an
+#   op's single-mesh-dim strategies are expanded to a 2-D mesh: most of the time of a
+#   first propagation) plans each move without its cache. Its plans are kept in a dict
+#   that lives as long as the context.
 @contextlib.contextmanager
 def dtensor_caches_while_tracing():
     from torch.distributed.tensor import _redistribute, _sharding_prop
 
+    prop = DTensor._op_dispatcher.sharding_propagator
+    uncached = prop.propagate_op_sharding_non_cached
+    plan = _redistribute._gen_transform_infos_non_cached
+    plans: dict = {}
+
+    def propagate_shared(schema):
+        try:
+            return prop.propagate_op_sharding(schema)
+        except TypeError:      # an unhashable schema: as DTensor does it
+            return uncached(schema)
+
+    def plan_kept(src, dst, use_graph_based_transform=None):
+        key = (src, dst, use_graph_based_transform)
+        if key not in plans:
+            plans[key] = plan(src, dst, use_graph_based_transform)
+        return plans[key]
+
     saved = (_sharding_prop._are_we_tracing, _redistribute._are_we_tracing)
     _sharding_prop._are_we_tracing = _redistribute._are_we_tracing = _not_tracing
+    prop.propagate_op_sharding_non_cached = propagate_shared
+    _redistribute._gen_transform_infos_non_cached = plan_kept
     try:
         yield
     except BaseException:
@@ -395,6 +423,8 @@ def dtensor_caches_while_tracing():
         raise
     finally:
         _sharding_prop._are_we_tracing, _redistribute._are_we_tracing = saved
+        del prop.propagate_op_sharding_non_cached       # the class's method again
+        _redistribute._gen_transform_infos_non_cached = plan
 
 
 def _not_tracing() -> bool:

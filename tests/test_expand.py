@@ -272,6 +272,64 @@ def test_a_raw_recording_is_make_fxs():
     assert any(line.startswith("call_function clone ") and "(3, 2)" in line for line in recorded)
 
 
+def test_an_output_is_its_value_and_an_input_returned_is_a_view_of_it():
+    """The expansion returns each computed output as the value itself (DTensor's
+    ``to_local`` recorded a view of every output: about 450 in a 12-layer GPT's train
+    step); an input returned as it is gets a view, so the program never hands an input
+    back as its output."""
+    mesh = Mesh.abstract((2,), ("tp",))
+    low = pjit(lambda x, w: (x, x @ w, w * 2, w), in_specs=(P(), P(None, "tp")),
+               mesh=mesh).lower(torch.randn(3, 4), torch.randn(4, 6))
+    g = low.local_graph.graph
+    x, w = g.find_nodes(op="placeholder")[:2]        # (then pjit's agreement token)
+    outs = next(n for n in g.nodes if n.op == "output").args[0]
+    assert outs[0].target is torch.ops.aten.view.default and outs[0].args[0] is x
+    assert outs[1].target is torch.ops.aten.mm.default
+    assert outs[2].target is torch.ops.aten.mul.Tensor
+    assert outs[3].target is torch.ops.aten.view.default and outs[3].args[0] is w
+    assert not [n for n in g.nodes if n.target is torch.ops.aten.view.default and n not in (outs[0], outs[3])]
+
+
+def test_dtensor_plans_each_op_and_each_move_once_while_expanding(monkeypatch):
+    """NOTE [DTensor caches while expanding]: an op that ``planned_redistributions``
+    propagated (the data-parallel batch check) is not propagated again when it runs,
+    and expanding an op's strategies to a 2-D mesh plans each move once. Shapes no
+    other test uses: DTensor's C++ dispatch cache has never seen them."""
+    import collections
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import DTensorRedistributePlanner
+    from torch.distributed.tensor._sharding_prop import LocalLRUCache, ShardingPropagator
+
+    props, plans = collections.Counter(), collections.Counter()
+    propagate = ShardingPropagator.propagate_op_sharding_non_cached
+    greedy = DTensorRedistributePlanner.generate_greedy_transform_infos
+
+    def counted_propagate(self, schema):
+        props[schema] += 1
+        return propagate(self, schema)
+
+    def counted_greedy(self, src, dst, *a, **kw):
+        plans[(src, dst)] += 1
+        return greedy(self, src, dst, *a, **kw)
+
+    monkeypatch.setattr(ShardingPropagator, "propagate_op_sharding_non_cached", counted_propagate)
+    monkeypatch.setattr(DTensorRedistributePlanner, "generate_greedy_transform_infos", counted_greedy)
+    prop = DTensor._op_dispatcher.sharding_propagator
+    monkeypatch.setattr(prop, "propagate_op_sharding", LocalLRUCache(prop.propagate_op_sharding_non_cached))
+
+    def step(w1, w2, x):
+        return torch.func.grad(lambda w1, w2: torch.tanh(x @ w1 @ w2).square().mean(), (0, 1))(w1, w2)
+
+    g = torch.Generator().manual_seed(0)
+    w1, w2, x = torch.randn(22, 26, generator=g), torch.randn(26, 18, generator=g), torch.randn(12, 22, generator=g)
+    pjit(step, in_specs=(P(None, "tp"), P("tp"), P("dp")), mesh=Mesh.abstract((2, 2), ("dp", "tp")),
+         mode=DataParallelMode("shard")).lower(w1, w2, x)
+    assert props and plans
+    assert max(props.values()) == 1, [str(s) for s, k in props.items() if k > 1]
+    assert max(plans.values()) == 1, [f"{a} -> {b}" for (a, b), k in plans.items() if k > 1]
+
+
 def test_a_fake_tensor_no_op_made_is_an_error_naming_its_shape():
     """A fake tensor that is not an input, no recorded op made, and holds no value has
     nothing the program could read it from."""
