@@ -99,6 +99,17 @@ def new_fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def trace_on_fakes(fn, fakes: list, fake_mode) -> torch.fx.GraphModule:
+    """``make_fx(fn, tracing_mode="fake")(*fakes)`` for inputs that are already fake
+    tensors of ``fake_mode``, traced as AOTAutograd does: under that mode, without
+    make_fx converting every input into a fake of a mode of its own (0.4 ms each;
+    a GPT-2-small train step has 450 inputs)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with fake_mode:
+        return make_fx(fn, tracing_mode="real")(*fakes)
+
+
 def group_from_name(name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 

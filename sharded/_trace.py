@@ -91,7 +91,7 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
                     with _torch.user_stack_traces(), _torch.export_tracing_state(), \
                             _torch.torch_checkpoint_as(_remat.torch_checkpoint), \
                             _torch.lazy_graph_modules():
-                        gm = make_fx(traced, tracing_mode="fake")(*fakes)
+                        gm = _torch.trace_on_fakes(traced, fakes, fake_mode)
                 finally:
                     if state is not None:
                         state.restore_and_check()

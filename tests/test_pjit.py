@@ -407,6 +407,40 @@ def test_pjit_in_a_loop_traces_once(mesh1):
     assert (m.traces, m2.traces) == (1, 1)
 
 
+def test_the_trace_takes_its_fake_inputs_as_they_are(monkeypatch):
+    """The trace runs on the fake inputs pjit made (``_torch.trace_on_fakes``), as
+    AOTAutograd does: make_fx(tracing_mode="fake") converted each into a fake of a
+    mode of its own (0.4 ms an input; 450 inputs in a GPT-2-small train step).
+    The program is the same: the stack traces name the user's line, a closed-over
+    tensor is a constant and a factory makes a fake."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    converted = []
+    from_tensor = FakeTensorMode.from_tensor
+
+    def counted(self, t, *a, **kw):
+        if isinstance(t, FakeTensor):
+            converted.append(tuple(t.shape))
+        return from_tensor(self, t, *a, **kw)
+
+    monkeypatch.setattr(FakeTensorMode, "from_tensor", counted)
+    bias = torch.arange(6.0)
+
+    def f(x, w, b):
+        return torch.tanh(x @ w + b) + bias + torch.ones(6)
+
+    mesh = Mesh.abstract((2,), ("tp",))
+    low = pjit(f, in_specs=(P(), P(None, "tp"), P("tp")), mesh=mesh).lower(
+        torch.randn(3, 4), torch.randn(4, 6), torch.randn(6))
+    assert converted == []
+    g = low.global_graph.graph
+    assert [n.meta["val"].shape for n in g.find_nodes(op="placeholder")][:3] == [(3, 4), (4, 6), (6,)]
+    mm = next(n for n in g.nodes if n.target is torch.ops.aten.mm.default)
+    assert "return torch.tanh(x @ w + b)" in mm.meta["stack_trace"]
+    assert g.find_nodes(op="get_attr")            # ``bias``, a constant of the program
+    assert any(n.target is torch.ops.aten.ones.default for n in g.nodes)
+
+
 def test_cache_key_has_the_default_dtype_and_autocast(mesh1):
     f = pjit(lambda x: x + torch.ones(2), in_specs=P(), mesh=mesh1)
     assert f(torch.ones(2)).dtype == torch.float32
