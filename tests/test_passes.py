@@ -38,22 +38,28 @@ def test_dce_drops_dead_detach_():
     assert _count(gm, "cos") == 0 and _count(gm, "detach_") == 0
 
 
-def test_identity_views_are_dropped_except_into_outputs():
+def test_identity_views_are_dropped_except_an_inputs_into_outputs():
     from sharded.passes import remove_identity_views
 
     def f(x):
         y = torch.sin(x.view(2, 3))          # identity view: dropped
-        return y.view(2, 3), y.view(3, 2)    # into the outputs: kept
+        # into an output: dropped (the output is ``y``), a reshaping view kept, and an
+        # input's identity view kept (no output is an input itself)
+        return y.view(2, 3), y.view(3, 2), x.view(2, 3)
 
     gm = make_fx(f, tracing_mode="fake")(torch.ones(2, 3))
-    assert _count(gm, "view") == 3
+    assert _count(gm, "view") == 4
     gm = remove_identity_views(gm)
     gm.recompile()
     assert _count(gm, "view") == 2
+    outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert outs[0].target is torch.ops.aten.sin.default
+    assert outs[2].target is torch.ops.aten.view.default and outs[2].args[0].op == "placeholder"
     x = torch.randn(2, 3)
-    a, b = gm(x)
+    a, b, c = gm(x)
     torch.testing.assert_close(a, torch.sin(x))
     torch.testing.assert_close(b, torch.sin(x).view(3, 2))
+    assert c is not x and c.data_ptr() == x.data_ptr()
 
 
 def _adam_like(p, m, g):

@@ -139,9 +139,11 @@ _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
 def remove_identity_views(gm: fx.GraphModule) -> fx.GraphModule:
     """Drop views and slices to the shape their input already has (the expansion
     leaves many: 149 of 204 views in a small GPT's data-parallel step). In a
-    functional graph the alias is not needed; a view that feeds an output is kept, so
-    outputs never alias inputs. An identity slice after a gather was the gather's
-    reader where the parameter's readers were meant (``regather_distant_uses``)."""
+    functional graph the alias is not needed; a view of an input or a constant that
+    feeds an output is kept, so that no output is an input itself. An identity slice
+    after a gather was the gather's reader where the parameter's readers were meant
+    (``regather_distant_uses``); an identity view after a reduction read it at once,
+    which ended its bucket (``_bucket``: the first read of a member's result)."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _VIEWS:
             continue
@@ -149,7 +151,7 @@ def remove_identity_views(gm: fx.GraphModule) -> fx.GraphModule:
         a, b = getattr(src, "meta", {}).get("val"), node.meta.get("val")
         if a is None or b is None or tuple(a.shape) != tuple(b.shape):
             continue
-        if any(u.op == "output" for u in node.users):
+        if src.op in ("placeholder", "get_attr") and any(u.op == "output" for u in node.users):
             continue
         node.replace_all_uses_with(src)
         gm.graph.erase_node(node)
