@@ -102,8 +102,8 @@ def new_fake_mode() -> FakeTensorMode:
 def trace_on_fakes(fn, fakes: list, fake_mode) -> torch.fx.GraphModule:
     """``make_fx(fn, tracing_mode="fake")(*fakes)`` for inputs that are already fake
     tensors of ``fake_mode``, traced as AOTAutograd does: under that mode, without
-    make_fx converting every input into a fake of a mode of its own (0.4 ms each;
-    a GPT-2-small train step has 450 inputs)."""
+    make_fx converting every input into a fake of a mode of its own (a GPT-2-small
+    train step has 450 inputs)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     with fake_mode:
