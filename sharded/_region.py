@@ -362,10 +362,12 @@ def functionalized(gm: fx.GraphModule, fakes) -> fx.GraphModule:
     """``gm`` without in-place ops: traced again under ``torch.func.functionalize``
     (views kept; NOTE [Trace, then functionalize] in sharded/_trace.py) when it has
     any, else ``gm`` itself. A write into an input becomes a ``copy_`` into its
-    placeholder at the end (``mutated_inputs``)."""
+    placeholder at the end (``mutated_inputs``). ``fakes``: the inputs, or a function
+    that makes them (where the first trace may have changed its own in place)."""
     if not any(n.op == "call_function" and _torch.is_mutating_op(n.target) for n in gm.graph.nodes):
         return gm
-    return make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*fakes)
+    inputs = fakes() if callable(fakes) else fakes
+    return make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*inputs)
 
 
 def mutated_inputs(gm: fx.GraphModule) -> list[int]:

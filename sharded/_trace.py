@@ -63,12 +63,16 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
     Functionalize rule for custom_function_call").
     """
     fake_mode = _torch.new_fake_mode()
-    with fake_mode:
-        # meta inputs (lowering without memory, e.g. for Mesh.abstract) trace as CPU
-        # fakes, so that tensors the function makes on the default device match them
-        fakes = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype,
-                                     device="cpu" if m.device.type == "meta" else m.device)
-                 for m in metas]
+
+    def make_fakes() -> list:
+        with fake_mode:
+            # meta inputs (lowering without memory, e.g. for Mesh.abstract) trace as CPU
+            # fakes, so that tensors the function makes on the default device match them
+            return [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype,
+                                        device="cpu" if m.device.type == "meta" else m.device)
+                    for m in metas]
+
+    fakes = make_fakes()
     state = ModuleState(fn, api) if fn is not None else None
 
     def guarded(*tensors):
@@ -95,7 +99,9 @@ def trace_global(flat_fn: Callable, metas: Sequence[torch.Tensor], api: str, *,
                 finally:
                     if state is not None:
                         state.restore_and_check()
-                gm = _region.functionalized(gm, fakes)
+                # the function ran on ``fakes`` themselves (NOTE [Trace, then
+                # functionalize]): an in-place op may have changed one (``x.t_()``)
+                gm = _region.functionalized(gm, make_fakes)
         regions.attach(gm)
         if joint is not None:
             _finish_joint(gm, joint)

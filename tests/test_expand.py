@@ -278,16 +278,18 @@ def test_an_output_is_its_value_and_an_input_returned_is_a_view_of_it():
     step); an input returned as it is gets a view, so the program never hands an input
     back as its output."""
     mesh = Mesh.abstract((2,), ("tp",))
-    low = pjit(lambda x, w: (x, x @ w, w * 2, w), in_specs=(P(), P(None, "tp")),
-               mesh=mesh).lower(torch.randn(3, 4), torch.randn(4, 6))
-    g = low.local_graph.graph
-    x, w = g.find_nodes(op="placeholder")[:2]        # (then pjit's agreement token)
-    outs = next(n for n in g.nodes if n.op == "output").args[0]
-    assert outs[0].target is torch.ops.aten.view.default and outs[0].args[0] is x
-    assert outs[1].target is torch.ops.aten.mm.default
-    assert outs[2].target is torch.ops.aten.mul.Tensor
-    assert outs[3].target is torch.ops.aten.view.default and outs[3].args[0] is w
-    assert not [n for n in g.nodes if n.target is torch.ops.aten.view.default and n not in (outs[0], outs[3])]
+    for grad in (True, False):       # (to_local made its view only with grad enabled)
+        with torch.set_grad_enabled(grad):
+            low = pjit(lambda x, w: (x, x @ w, w * 2, w), in_specs=(P(), P(None, "tp")),
+                       mesh=mesh).lower(torch.randn(3, 4), torch.randn(4, 6))
+        g = low.local_graph.graph
+        x, w = g.find_nodes(op="placeholder")[:2]        # (then pjit's agreement token)
+        outs = next(n for n in g.nodes if n.op == "output").args[0]
+        assert outs[0].target is torch.ops.aten.view.default and outs[0].args[0] is x
+        assert outs[1].target is torch.ops.aten.mm.default
+        assert outs[2].target is torch.ops.aten.mul.Tensor
+        assert outs[3].target is torch.ops.aten.view.default and outs[3].args[0] is w
+        assert not [n for n in g.nodes if n.target is torch.ops.aten.view.default and n not in (outs[0], outs[3])]
 
 
 def test_dtensor_plans_each_op_and_each_move_once_while_expanding(monkeypatch):

@@ -90,11 +90,12 @@ def expand(graph: fx.GraphModule, in_placements: Sequence[tuple], out_specs: Seq
             o = ex.redistribute(o, target)
             out_placements.append(tuple(o.placements))
             # an output is the local value itself; one that is an input gets a view of
-            # it (the program never returns an input as it is). DTensor's to_local
-            # records a view of every output, through the fake mode: 374 in a 12-layer
-            # GPT-2-small train step (its parameters and two moments).
+            # it (the program never returns an input as it is; DTensor's to_local
+            # made one only with grad enabled). to_local recorded a view of every
+            # output, through the fake mode: 374 in a 12-layer GPT-2-small train step
+            # (its parameters, two moments, step count and loss).
             local = _torch.local_tensor(o)
-            result.append(o.to_local() if id(local) in inputs else local)
+            result.append(local.view(local.shape) if id(local) in inputs else local)
         return result
 
     with _torch.dtensor_caches_while_tracing():     # NOTE [Recording the local program]
