@@ -23,7 +23,6 @@ from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from sharded import _region, _remat, _torch
 from sharded._registry import META_PHASE
