@@ -410,9 +410,9 @@ def test_pjit_in_a_loop_traces_once(mesh1):
 def test_the_trace_takes_its_fake_inputs_as_they_are(monkeypatch):
     """The trace runs on the fake inputs pjit made (``_torch.trace_on_fakes``), as
     AOTAutograd does: make_fx(tracing_mode="fake") converted each into a fake of a
-    mode of its own (450 inputs in a GPT-2-small train step).
-    The program is the same: the stack traces name the user's line, a closed-over
-    tensor is a constant and a factory makes a fake."""
+    mode of its own (375 inputs in a GPT-2-small train step). What the later steps
+    read of the trace holds: the placeholders' shapes, the stack traces naming the
+    user's line, a closed-over tensor as a constant and a factory's op."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     converted = []
