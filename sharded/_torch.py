@@ -8,6 +8,7 @@ are used.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
 )
 from torch.distributed.tensor import DTensor, Shard
@@ -104,11 +106,53 @@ def trace_on_fakes(fn, fakes: list, fake_mode) -> torch.fx.GraphModule:
     tensors of ``fake_mode``, traced as AOTAutograd does: under that mode, without
     make_fx converting every input into a fake of a mode of its own (a GPT-2-small
     train step has 375 inputs). The function gets ``fakes`` themselves: an in-place op
-    on an input changes them (``trace_global`` makes new ones to trace again)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
+    on an input changes them (``trace_global`` makes new ones to trace again). Each
+    node's value is the fake the op made (NOTE [A traced value as the op made it])."""
+    from torch.fx.experimental import proxy_tensor
 
-    with fake_mode:
-        return make_fx(fn, tracing_mode="real")(*fakes)
+    set_meta = proxy_tensor.set_meta
+
+    def set_meta_as_made(proxy, val):
+        if proxy.node.op == "call_function" and not _factory(proxy.node.target) and _as_made(val):
+            proxy.node.meta["val"] = val
+            return proxy
+        return set_meta(proxy, val)
+
+    proxy_tensor.set_meta = set_meta_as_made
+    try:
+        with fake_mode:
+            return proxy_tensor.make_fx(fn, tracing_mode="real")(*fakes)
+    finally:
+        proxy_tensor.set_meta = set_meta
+
+
+# NOTE [A traced value as the op made it]
+# make_fx keeps in each node's meta a detached copy of the op's fake result (a new
+# FakeTensor per value, and per element of a foreach op's lists) and a TensorMetadata
+# beside it, so that a later in-place op on the result cannot change what an earlier
+# node says it made. pjit's trace has no in-place op by the time anything reads its
+# values: one that has any is traced again under functionalize (NOTE [Trace, then
+# functionalize] in sharded/_trace.py), from its code, not its meta. So the trace
+# keeps the fake the op made, without the copy or the TensorMetadata (nothing reads
+# it): a third of make_fx's per-node bookkeeping on a GPT-2-small train step. Values
+# that need the copy keep it: an input's, one that requires grad (autograd's graph
+# stays out of the meta), one with a constant's real value (const-propagated), and a
+# factory's (``torch.ones``, ``zeros_like``: torch's binding of a factory returns a
+# ``detach`` of the new tensor when something else holds it, a node more in the
+# program). On the GPT-2-small step the trace takes 0.4-0.5 s less
+# (benchmarks/results/compile_abstract.json); tests/test_pjit.py checks every value
+# against make_fx's copies.
+@functools.cache
+def _factory(target) -> bool:
+    return isinstance(target, OpOverload) and any(a.name == "pin_memory" for a in target._schema.arguments)
+
+
+def _as_made(val) -> bool:
+    if type(val) is FakeTensor:
+        return not val.requires_grad and val.constant is None
+    if type(val) in (tuple, list):
+        return all(x is None or _as_made(x) for x in val)
+    return False
 
 
 def group_from_name(name: str) -> dist.ProcessGroup:
@@ -1457,6 +1501,66 @@ def _collective_fake_kernels() -> dict:
             ops.all_to_all_single.default: fc._all_to_all_single_meta}
 
 
+# NOTE [Fake results by their meta kernel]
+# A view op (``view``, ``t``, ``permute``: a third of the ops the expansion records)
+# and a functional collective or its wait (a fresh tensor of a shape its meta
+# function computes) cost the fake mode a cache key of every argument's metadata, a
+# lookup, and a meta tensor rebuilt from the entry. Their result is what their meta
+# kernel gives, run on the fake input as on a meta tensor (the fake mode's
+# ``in_kernel_invocation_manager``, as torch's ``fast_detach`` runs ``detach``): a
+# view on the input's storage, a collective's result a tensor of its own, each a
+# fake tensor on the input's device. The expansion's recorder and the bucketing
+# pass's packing make theirs so, where the one tensor argument is the first, a fake
+# of the recording's mode without a constant (the fake mode propagates constants) or
+# a gradient; anything else goes through the fake mode. Shapes, strides, storage
+# offsets and storage sharing are the fake mode's (tests/test_expand.py). On the
+# GPT-2-small step on a 16x4 mesh under DataParallelMode("shard"), about 0.15 s of the
+# partition and 0.1 s of the passes (benchmarks/results/compile_abstract.json).
+def _meta_kernel_answers(fake_mode, args, kwargs) -> bool:
+    """Is a call on ``args`` one that ``_by_meta_kernel`` answers: its one tensor the
+    first argument, a fake tensor of ``fake_mode`` with no constant, no gradient?"""
+    x = args[0] if args else None
+    return (type(x) is FakeTensor and x.fake_mode is fake_mode and x.constant is None
+            and not x.requires_grad and not kwargs
+            and not any(isinstance(a, (torch.Tensor, list, tuple)) and _has_tensor(a) for a in args[1:]))
+
+
+def _has_tensor(a) -> bool:
+    if isinstance(a, torch.Tensor):
+        return True
+    return isinstance(a, (list, tuple)) and any(_has_tensor(b) for b in a)
+
+
+def _by_meta_kernel(fake_mode, func, args):
+    """``func(*args)`` on a fake tensor by its meta kernel, the result made a fake
+    tensor on the input's device (NOTE [Fake results by their meta kernel])."""
+    from torch._dispatch.python import no_python_dispatcher
+    from torch._subclasses.fake_tensor import in_kernel_invocation_manager
+
+    device = args[0].fake_device
+    with no_python_dispatcher(), in_kernel_invocation_manager(fake_mode):
+        out = func(*args)
+    if isinstance(out, torch.Tensor):
+        return FakeTensor(fake_mode, out, device)
+    return type(out)(FakeTensor(fake_mode, o, device) for o in out)
+
+
+def fake_reshape(x: torch.Tensor, shape) -> torch.Tensor:
+    """``x.reshape(shape)``; for a contiguous fake tensor, its view by its meta kernel
+    (NOTE [Fake results by their meta kernel])."""
+    if type(x) is FakeTensor and x.is_contiguous() and _meta_kernel_answers(x.fake_mode, (x,), {}):
+        return _by_meta_kernel(x.fake_mode, torch.ops.aten.view.default, (x, list(shape)))
+    return x.reshape(shape)
+
+
+def fake_empty(like: torch.Tensor, shape) -> torch.Tensor:
+    """``like.new_empty(shape)``; for a fake tensor, made as the fake mode makes one,
+    without dispatching to it (NOTE [Fake results by their meta kernel])."""
+    if type(like) is not FakeTensor:
+        return like.new_empty(shape)
+    return _by_meta_kernel(like.fake_mode, torch.Tensor.new_empty, (like, tuple(shape)))
+
+
 def record_fake(fn, inputs: list, fake_mode) -> torch.fx.GraphModule:
     """``fn(*inputs)`` (fake tensors of ``fake_mode``; ``fn`` returns a list of
     tensors) recorded as a graph of aten ops (NOTE [Recording the local program])."""
@@ -1565,8 +1669,10 @@ def record_fake(fn, inputs: list, fake_mode) -> torch.fx.GraphModule:
                     if node is not None and node.meta.get("val") is a:
                         node.meta["val"] = fast_detach(fake_mode, a)
             fake_kernel = fake_kernels.get(func)
-            if fake_kernel is not None and type(args[0]) is FakeTensor and args[0].constant is None:
-                out = fake_kernel(*args, **kwargs)      # (as the fake mode would, faster)
+            if fake_kernel is not None and _meta_kernel_answers(fake_mode, args, kwargs):
+                out = _by_meta_kernel(fake_mode, fake_kernel, args)     # (as the fake mode would, faster)
+            elif func.is_view and _meta_kernel_answers(fake_mode, args, kwargs):
+                out = _by_meta_kernel(fake_mode, func, args)
             else:
                 out = func(*args, **kwargs)
             node = graph.call_function(func, arg(args), arg(kwargs), name=name)

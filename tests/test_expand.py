@@ -272,6 +272,69 @@ def test_a_raw_recording_is_make_fxs():
     assert any(line.startswith("call_function clone ") and "(3, 2)" in line for line in recorded)
 
 
+def test_fake_results_by_their_meta_kernel_are_the_fake_modes(monkeypatch):
+    """NOTE [Fake results by their meta kernel]: a view op's result and a functional
+    collective's, made by the meta kernel, have the shape, strides, storage offset,
+    dtype and device the fake mode gives, and share the input's storage exactly where
+    the fake mode's do; the recorder makes every view and collective of a program so,
+    and the bucketing pass its packing's values."""
+    from sharded import _torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    fake = _torch.new_fake_mode()
+    with fake:
+        x = torch.empty(4, 6, 8)[:, 1:]               # an offset, not contiguous
+        y = torch.empty(6, 8, dtype=torch.float64)[1:]
+        z = torch.empty(4, 6)
+        one = torch.empty(1, 8)
+    c = torch.ops._c10d_functional
+    calls = [
+        (aten.permute.default, (x, [2, 0, 1])), (aten.transpose.int, (x, 0, 2)),
+        (aten.slice.Tensor, (x, 2, 1, 5, 2)), (aten.select.int, (x, 1, 2)),
+        (aten.unsqueeze.default, (x, 1)), (aten.expand.default, (one, [3, 8])),
+        (aten.view.default, (z, [8, -1])), (aten.t.default, (y,)), (aten.alias.default, (x,)),
+        (aten.split_with_sizes.default, (x, [1, 3], 0)), (aten.unbind.int, (y, 1)),
+        (aten.as_strided.default, (z, [2, 3], [1, 2], 1)), (aten.diagonal.default, (z,)),
+        (c.all_gather_into_tensor.default, (z, 2, "0")), (c.reduce_scatter_tensor.default, (z, "sum", 2, "0")),
+        (c.all_reduce.default, (x, "sum", "0")), (c.wait_tensor.default, (x,)),
+        (c.all_to_all_single.default, (z, [1, 3], [2, 2], "0")),
+    ]
+    kernels = _torch._collective_fake_kernels()
+
+    def what(t, source):
+        return (type(t), tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device,
+                StorageWeakRef(t.untyped_storage()) == StorageWeakRef(source.untyped_storage()))
+
+    for op, args in calls:
+        assert op.is_view or op in kernels, op
+        with fake:
+            want = op(*args)
+        got = _torch._by_meta_kernel(fake, kernels.get(op, op), args)
+        wants, gots = (want, got) if isinstance(want, (list, tuple)) else ([want], [got])
+        assert type(got) is type(want) and len(gots) == len(wants), op
+        assert [what(t, args[0]) for t in gots] == [what(t, args[0]) for t in wants], op
+        assert all(type(t) is FakeTensor and t.fake_mode is fake for t in gots), op
+        assert all(what(t, args[0])[-1] == op.is_view for t in gots), op     # (views share storage)
+    reshaped, empty = _torch.fake_reshape(z, (3, -1)), _torch.fake_empty(y, (5, 2))
+    with fake:
+        assert what(reshaped, z) == what(z.reshape(3, -1), z)
+        assert what(empty, y) == what(y.new_empty(5, 2), y)
+
+    made = []
+    by_meta, reshape = _torch._by_meta_kernel, _torch.fake_reshape
+    monkeypatch.setattr(_torch, "_by_meta_kernel", lambda mode, op, args: made.append(op) or by_meta(mode, op, args))
+    monkeypatch.setattr(_torch, "fake_reshape", lambda x, shape: made.append("packed") or reshape(x, shape))
+    params = {"w": torch.randn(4, 3), "v": torch.randn(4, 2)}
+    low = pjit(lambda p, x: ((x @ p["w"].t()) @ p["v"]).sum(), in_specs=(None, P("dp")),
+               mesh=Mesh.abstract((2,), ("dp",)), mode=DataParallelMode("shard")).lower(params, torch.randn(8, 3))
+    recorded = {n.target for n in low.local_graph.graph.nodes if n.op == "call_function"}
+    c = torch.ops._c10d_functional
+    assert {aten.t.default, *(kernels[op] for op in (c.all_gather_into_tensor.default, c.wait_tensor.default,
+                                                     c.all_reduce.default))} <= set(made)
+    assert "packed" in made and aten.cat.default in recorded      # (a bucket of the two gathers)
+
+
 def test_an_output_is_its_value_and_an_input_returned_is_a_view_of_it():
     """The expansion returns each computed output as the value itself (DTensor's
     ``to_local`` recorded a view of every output: 374 in a 12-layer GPT-2-small train

@@ -441,6 +441,51 @@ def test_the_trace_takes_its_fake_inputs_as_they_are(monkeypatch):
     assert any(n.target is torch.ops.aten.ones.default for n in g.nodes)
 
 
+def test_the_traces_values_are_make_fxs(monkeypatch):
+    """NOTE [A traced value as the op made it]: each node of the trace holds the fake
+    its op made (make_fx stores a detached copy of each, and a TensorMetadata), and
+    the values say what make_fx's copies say: shapes, strides and dtypes of every
+    node, a multi-output op's tuple, a torch.func.grad's backward, a constant,
+    factories (no ``detach`` of theirs more than make_fx's). A function that changes a value's shape in place (``y.t_()``) is traced
+    again under functionalize, and says the same as well."""
+    from sharded import _torch
+    from torch.fx.experimental import proxy_tensor
+
+    set_meta = proxy_tensor.set_meta
+    bias = torch.arange(6.0)
+
+    def f(x, w, b):
+        h = F.layer_norm(x @ w, (6,)) + bias + torch.ones(6) + torch.zeros_like(b) + torch.full_like(b, 2)
+        g = torch.func.grad(lambda w: torch.tanh(x @ w).sum())(w)
+        return h.t().sum(0), g.view(-1) * b.sum()
+
+    def g(x, w, b):
+        y = x @ w
+        y.t_()
+        return y.unsqueeze(0) + b.view(6, 1)
+
+    def values(gm):
+        return [(n.name, str(n.target), tuple(v.shape), v.stride(), v.storage_offset(), v.dtype)
+                for n in gm.graph.nodes if n.op != "output"
+                for v in (n.meta["val"] if isinstance(n.meta["val"], (tuple, list)) else [n.meta["val"]])
+                if isinstance(v, torch.Tensor)]
+
+    args = (torch.randn(3, 4), torch.randn(4, 6), torch.randn(6))
+    mesh = Mesh.abstract((2,), ("tp",))
+    lower = {fn: (lambda fn=fn: pjit(lambda *a: fn(*a), in_specs=(P(), P(None, "tp"), P("tp")),
+                                     mesh=mesh).lower(*args).global_graph) for fn in (f, g)}
+    ours = {fn: lower[fn]() for fn in (f, g)}
+    assert proxy_tensor.set_meta is set_meta
+    ln = next(n for n in ours[f].graph.nodes if n.target is torch.ops.aten.native_layer_norm.default)
+    assert isinstance(ln.meta["val"], tuple) and len(ln.meta["val"]) == 3
+    assert not [n for n in ours[f].graph.nodes if n.op == "call_function" and "tensor_meta" in n.meta
+                and not _torch._factory(n.target)]
+    assert not [n for n in ours[g].graph.nodes if n.op == "call_function" and n.target._schema.is_mutable]
+    monkeypatch.setattr(_torch, "_as_made", lambda val: False)       # make_fx's copies
+    for fn in (f, g):
+        assert values(ours[fn]) == values(lower[fn]()), fn.__name__
+
+
 def test_cache_key_has_the_default_dtype_and_autocast(mesh1):
     f = pjit(lambda x: x + torch.ones(2), in_specs=P(), mesh=mesh1)
     assert f(torch.ones(2)).dtype == torch.float32

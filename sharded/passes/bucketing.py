@@ -310,26 +310,30 @@ def _merge(gm: fx.GraphModule, bucket: list[fx.Node]) -> None:
 
     with g.inserting_before(anchor):
         if target is _REDUCE_SCATTER:
-            parts = [call(aten.reshape.default, (n.args[0], [n_ranks, -1]), v.reshape(n_ranks, -1))
-                     for n, v in zip(bucket, vals)]
-            flat = call(aten.cat.default, (parts, 1), vals[0].new_empty(n_ranks, sum(v.numel() for v in vals) // n_ranks))
+            parts = [call(aten.reshape.default, (n.args[0], [n_ranks, -1]),
+                          _torch.fake_reshape(v, (n_ranks, -1))) for n, v in zip(bucket, vals)]
+            flat = call(aten.cat.default, (parts, 1),
+                        _torch.fake_empty(vals[0], (n_ranks, sum(v.numel() for v in vals) // n_ranks)))
         else:
-            parts = [call(aten.reshape.default, (n.args[0], [-1]), v.reshape(-1)) for n, v in zip(bucket, vals)]
-            flat = call(aten.cat.default, (parts,), vals[0].new_empty(sum(v.numel() for v in vals)))
+            parts = [call(aten.reshape.default, (n.args[0], [-1]), _torch.fake_reshape(v, (-1,)))
+                     for n, v in zip(bucket, vals)]
+            flat = call(aten.cat.default, (parts,), _torch.fake_empty(vals[0], (sum(v.numel() for v in vals),)))
         args = (flat,) + tuple(anchor.args[1:])
         # (the functional all-reduce's result is a tensor of its own, not ``flat``:
         # reinplace_foreach makes it ``flat`` where nothing else reads that)
-        out_val = (flat.meta["val"].new_empty(n_ranks * flat.meta["val"].numel()) if gather else
-                   flat.meta["val"].new_empty(1, flat.meta["val"].shape[1]) if target is _REDUCE_SCATTER
-                   else torch.empty_like(flat.meta["val"]))
+        flat_val = flat.meta["val"]
+        out_val = _torch.fake_empty(flat_val, (n_ranks * flat_val.numel(),) if gather else
+                                    (1, flat_val.shape[1]) if target is _REDUCE_SCATTER
+                                    else tuple(flat_val.shape))
         coll = call(target, args, out_val)
     with g.inserting_before(first_user):
         wait = call(_WAIT, (coll,), out_val)
         if gather:
-            rows = call(aten.view.default, (wait, [n_ranks, -1]), out_val.view(n_ranks, -1))
+            rows = call(aten.view.default, (wait, [n_ranks, -1]),
+                        _torch.fake_reshape(out_val, (n_ranks, -1)))
             sizes, dim = [v.numel() for v in vals], 1
         else:
-            rows = call(aten.view.default, (wait, [-1]), out_val.view(-1))
+            rows = call(aten.view.default, (wait, [-1]), _torch.fake_reshape(out_val, (-1,)))
             sizes = [o.numel() for o in outs]
             dim = 0
         pieces = call(aten.split_with_sizes.default, (rows, sizes, dim), None)
