@@ -284,6 +284,32 @@ def redistribute_untracked(dt: DTensor, placements) -> DTensor:
     return make_dtensor(out, target)
 
 
+def gather_moved(dt: DTensor, i: int) -> DTensor | None:
+    """``dt`` replicated over mesh dim ``i``, where it is ``Shard(d)`` with d > 0, as
+    dim 0 of ``dt.movedim(d, 0)`` (one all-gather), moved back: the local ops that
+    ``dt.movedim(d, 0)``, its redistribute and ``.movedim(0, d)`` record, made on
+    the local shard without DTensor's dispatch of the two moves (the layout is
+    ``dt``'s with mesh dim ``i`` replicated, its global shape and strides ``dt``'s).
+    None where NOTE [One collective for a move on one axis] does not apply (another
+    mesh dim splits dim d too, an uneven split, one rank on the axis, a gradient)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    spec = dt._spec
+    src = spec.placements[i]
+    if dt.requires_grad or type(src) is not Shard or src.dim <= 0:
+        return None
+    d, mesh = src.dim, spec.mesh
+    if any(getattr(p, "dim", None) == d for j, p in enumerate(spec.placements) if j != i) \
+            or mesh.get_coordinate() is None or mesh.size(i) == 1 or spec.shape[d] % mesh.size(i):
+        return None
+    placements = tuple(Replicate() if j == i else p for j, p in enumerate(spec.placements))
+    moved = dt._local_tensor.movedim(d, 0).contiguous()
+    out = WAIT_OP(c10d_functional.all_gather_into_tensor.default(
+        moved, mesh.size(i), mesh.get_group(i).group_name))
+    return make_dtensor(out.movedim(0, d), DTensorSpec(mesh, placements, tensor_meta=spec.tensor_meta))
+
+
 # NOTE [One collective for a move on one axis]
 # A gather (Shard(d) -> Replicate) or a reduce-scatter (Partial(sum) -> Shard(d)) on
 # one mesh axis, evenly divided, no other axis splitting dim d: the collective and
@@ -1488,14 +1514,26 @@ class UntrackedTensor(RuntimeError):
     pass
 
 
+@functools.cache
 def _collective_fake_kernels() -> dict:
     """The functional collectives' meta kernels, by op: run on fake tensors (NOTE
-    [Recording the local program]), they give what the fake mode gives for the op."""
+    [Recording the local program]), they give what the fake mode gives for the op
+    (all_reduce's, and a wait's of a contiguous value, as ``torch.empty`` of its shape:
+    what their ``empty_like`` gives)."""
     from torch.distributed import _functional_collectives as fc
 
     ops = torch.ops._c10d_functional
-    return {ops.all_reduce.default: fc._all_reduce_meta,
-            ops.wait_tensor.default: fc._wait_tensor_meta,
+
+    def fresh(x: torch.Tensor, *_) -> torch.Tensor:
+        # (``torch.empty_like`` of a contiguous value, without the reference
+        # implementation's memory-format logic: most of a wait's cost while recording)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    def wait(x: torch.Tensor, *rest) -> torch.Tensor:
+        return fresh(x) if x.is_contiguous() else fc._wait_tensor_meta(x, *rest)
+
+    return {ops.all_reduce.default: fresh,         # (fc._all_reduce_meta: contiguous)
+            ops.wait_tensor.default: wait,
             ops.all_gather_into_tensor.default: fc._all_gather_into_tensor_native_meta,
             ops.reduce_scatter_tensor.default: fc._reduce_scatter_tensor_native_meta,
             ops.all_to_all_single.default: fc._all_to_all_single_meta}
@@ -1538,7 +1576,9 @@ def _by_meta_kernel(fake_mode, func, args):
     from torch._subclasses.fake_tensor import in_kernel_invocation_manager
 
     device = args[0].fake_device
-    with no_python_dispatcher(), in_kernel_invocation_manager(fake_mode):
+    # (below autograd: the fake mode's own results are no autograd views inside either)
+    with no_python_dispatcher(), in_kernel_invocation_manager(fake_mode), \
+            torch._C._AutoDispatchBelowADInplaceOrView():
         out = func(*args)
     if isinstance(out, torch.Tensor):
         return FakeTensor(fake_mode, out, device)
@@ -1653,7 +1693,14 @@ def record_fake(fn, inputs: list, fake_mode) -> torch.fx.GraphModule:
             kwargs = kwargs or {}
             if any(t is not FakeTensor and t is not torch.Tensor for t in types):
                 return NotImplemented
-            if func is torch.ops.prim.device.default or paused[0]:   # (a query; not recorded)
+            if func is torch.ops.prim.device.default:   # (a query; not recorded)
+                # answered as the fake mode answers it, without its dispatch: DTensor
+                # asks it of a local tensor several times per op (3103 times in the
+                # GPT-2-small step's expansion under DataParallelMode("shard"))
+                if type(args[0]) is FakeTensor and not args[0].fake_mode.in_kernel_invocation:
+                    return args[0].fake_device
+                return func(*args, **kwargs)
+            if paused[0]:
                 return func(*args, **kwargs)
             if decomposes(func, args, kwargs):
                 with self:

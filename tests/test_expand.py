@@ -298,6 +298,7 @@ def test_fake_results_by_their_meta_kernel_are_the_fake_modes(monkeypatch):
         (aten.as_strided.default, (z, [2, 3], [1, 2], 1)), (aten.diagonal.default, (z,)),
         (c.all_gather_into_tensor.default, (z, 2, "0")), (c.reduce_scatter_tensor.default, (z, "sum", 2, "0")),
         (c.all_reduce.default, (x, "sum", "0")), (c.wait_tensor.default, (x,)),
+        (c.all_reduce.default, (z, "sum", "0")), (c.wait_tensor.default, (z,)),
         (c.all_to_all_single.default, (z, [1, 3], [2, 2], "0")),
     ]
     kernels = _torch._collective_fake_kernels()
@@ -333,6 +334,33 @@ def test_fake_results_by_their_meta_kernel_are_the_fake_modes(monkeypatch):
     assert {aten.t.default, *(kernels[op] for op in (c.all_gather_into_tensor.default, c.wait_tensor.default,
                                                      c.all_reduce.default))} <= set(made)
     assert "packed" in made and aten.cat.default in recorded      # (a bucket of the two gathers)
+
+
+def test_a_gather_of_a_moved_dim_is_dtensors_program(monkeypatch):
+    """``_torch.gather_moved``: DataParallelMode("shard") gathers a parameter shard split
+    on a dim d > 0 (a colwise weight under "tp" on 2x2, the state split on dim 1) by the
+    local ops DTensor's ``movedim``, redistribute and ``movedim`` back record, without
+    DTensor's dispatch of the moves: the same program, node for node, values included."""
+    from examples import gpt
+    from sharded import _torch, optim
+
+    cfg = gpt.tiny(n_layers=1, d_model=32, n_heads=4, vocab=64, seq=8)
+    params = gpt.init_params(cfg, 0)
+    state, (ids, tgt) = optim.adamw_init(params), gpt.batch(cfg, 4)
+    specs = gpt.tp_specs(params)
+
+    def lower():
+        return pjit(lambda *a: gpt.train_step(*a), in_specs=(specs, gpt.opt_specs(specs), P("dp"), P("dp")),
+                    mesh=Mesh.abstract((2, 2), ("dp", "tp")), static_argnums=(4,),
+                    mode=DataParallelMode("shard")).lower(params, state, ids, tgt, cfg).local_graph
+
+    used = []
+    gather_moved = _torch.gather_moved
+    monkeypatch.setattr(_torch, "gather_moved", lambda dt, i: used.append(gather_moved(dt, i)) or used[-1])
+    ours = _program(lower())
+    assert used and all(u is not None for u in used)
+    monkeypatch.setattr(_torch, "gather_moved", lambda dt, i: None)        # DTensor's moves
+    assert ours == _program(lower())
 
 
 def test_an_output_is_its_value_and_an_input_returned_is_a_view_of_it():

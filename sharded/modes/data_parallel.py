@@ -634,6 +634,9 @@ class _DataParallelPolicy(LayoutPolicy):
         d = self._dp(a).dim
         if d == 0 or not isinstance(self._dp(a), Shard):      # (a _StridedShard: as it is)
             return self._with_dp(ex, a, Replicate())
+        gathered = _torch.gather_moved(a, self.dp)     # (the same ops, without DTensor's dispatch)
+        if gathered is not None:
+            return gathered
         return self._with_dp(ex, a.movedim(d, 0), Replicate()).movedim(0, d)
 
     def _check_batch_kept(self, node, target, args, kwargs, batch_args):
