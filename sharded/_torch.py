@@ -113,7 +113,9 @@ def trace_on_fakes(fn, fakes: list, fake_mode) -> torch.fx.GraphModule:
     set_meta = proxy_tensor.set_meta
 
     def set_meta_as_made(proxy, val):
-        if proxy.node.op == "call_function" and not _factory(proxy.node.target) and _as_made(val):
+        node = proxy.node
+        if (node.op == "placeholder" or node.op == "call_function" and not _factory(node.target)) \
+                and _as_made(val):
             proxy.node.meta["val"] = val
             return proxy
         return set_meta(proxy, val)
@@ -131,17 +133,17 @@ def trace_on_fakes(fn, fakes: list, fake_mode) -> torch.fx.GraphModule:
 # FakeTensor per value, and per element of a foreach op's lists) and a TensorMetadata
 # beside it, so that a later in-place op on the result cannot change what an earlier
 # node says it made. pjit's trace has no in-place op by the time anything reads its
-# values: one that has any is traced again under functionalize (NOTE [Trace, then
-# functionalize] in sharded/_trace.py), from its code, not its meta. So the trace
-# keeps the fake the op made, without the copy or the TensorMetadata (nothing reads
-# it): a third of make_fx's per-node bookkeeping on a GPT-2-small train step. Values
-# that need the copy keep it: an input's, one that requires grad (autograd's graph
-# stays out of the meta), one with a constant's real value (const-propagated), and a
-# factory's (``torch.ones``, ``zeros_like``: torch's binding of a factory returns a
-# ``detach`` of the new tensor when something else holds it, a node more in the
-# program). On the GPT-2-small step the trace takes 0.4-0.5 s less
-# (benchmarks/results/compile_abstract.json); tests/test_pjit.py checks every value
-# against make_fx's copies.
+# values: one that has any is traced again under functionalize, from its code, not
+# its meta, on new fakes (NOTE [Trace, then functionalize] in sharded/_trace.py). So
+# the trace keeps the fake the op made, and an input's the fake pjit made for it,
+# without the copy or the TensorMetadata (nothing reads it): a third of make_fx's
+# per-node bookkeeping on a GPT-2-small train step. Values that need the copy keep
+# it: one that requires grad (autograd's graph stays out of the meta), one with a
+# constant's real value (const-propagated), and a factory's (``torch.ones``,
+# ``zeros_like``: torch's binding of a factory returns a ``detach`` of the new tensor
+# when something else holds it, a node more in the program). On the GPT-2-small step
+# the trace takes about 0.5 s less (benchmarks/results/compile_abstract.json);
+# tests/test_pjit.py checks every value against make_fx's copies.
 @functools.cache
 def _factory(target) -> bool:
     return isinstance(target, OpOverload) and any(a.name == "pin_memory" for a in target._schema.arguments)
@@ -1591,6 +1593,16 @@ def fake_reshape(x: torch.Tensor, shape) -> torch.Tensor:
     if type(x) is FakeTensor and x.is_contiguous() and _meta_kernel_answers(x.fake_mode, (x,), {}):
         return _by_meta_kernel(x.fake_mode, torch.ops.aten.view.default, (x, list(shape)))
     return x.reshape(shape)
+
+
+def fake_as_strided(x: torch.Tensor, shape, stride, offset: int) -> torch.Tensor:
+    """``x.as_strided(shape, stride, offset)`` outside any dispatch mode; for a fake
+    tensor, by its meta kernel (NOTE [Fake results by their meta kernel])."""
+    if type(x) is FakeTensor and _meta_kernel_answers(x.fake_mode, (x,), {}):
+        return _by_meta_kernel(x.fake_mode, torch.ops.aten.as_strided.default,
+                               (x, list(shape), list(stride), offset))
+    with suspend_dispatch_modes():
+        return x.as_strided(shape, stride, offset)
 
 
 def fake_empty(like: torch.Tensor, shape) -> torch.Tensor:

@@ -277,7 +277,7 @@ def test_fake_results_by_their_meta_kernel_are_the_fake_modes(monkeypatch):
     collective's, made by the meta kernel, have the shape, strides, storage offset,
     dtype and device the fake mode gives, and share the input's storage exactly where
     the fake mode's do; the recorder makes every view and collective of a program so,
-    and the bucketing pass its packing's values."""
+    and the passes the values of the nodes they make."""
     from sharded import _torch
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -318,9 +318,11 @@ def test_fake_results_by_their_meta_kernel_are_the_fake_modes(monkeypatch):
         assert all(type(t) is FakeTensor and t.fake_mode is fake for t in gots), op
         assert all(what(t, args[0])[-1] == op.is_view for t in gots), op     # (views share storage)
     reshaped, empty = _torch.fake_reshape(z, (3, -1)), _torch.fake_empty(y, (5, 2))
+    strided = _torch.fake_as_strided(y, (2, 3), (1, 2), 9)
     with fake:
         assert what(reshaped, z) == what(z.reshape(3, -1), z)
         assert what(empty, y) == what(y.new_empty(5, 2), y)
+        assert what(strided, y) == what(y.as_strided((2, 3), (1, 2), 9), y)
 
     made = []
     by_meta, reshape = _torch._by_meta_kernel, _torch.fake_reshape

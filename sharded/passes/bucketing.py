@@ -486,7 +486,7 @@ def regather_distant_uses(gm: fx.GraphModule) -> fx.GraphModule:
                 with gm.graph.inserting_before(u):
                     again = gm.graph.call_function(_ALL_GATHER, g.args, g.kwargs)
                     again.meta.update(g.meta)
-                    again.meta["val"] = torch.empty_like(g.meta["val"])   # a buffer of its own
+                    again.meta["val"] = _torch.fake_empty(g.meta["val"], g.meta["val"].shape)  # a buffer of its own
                     current = gm.graph.call_function(_WAIT, (again,))
                     current.meta.update(wait.meta)
                     current.meta["val"] = again.meta["val"]
