@@ -108,24 +108,34 @@ def trace_on_fakes(fn, fakes: list, fake_mode) -> torch.fx.GraphModule:
     train step has 375 inputs). The function gets ``fakes`` themselves: an in-place op
     on an input changes them (``trace_global`` makes new ones to trace again). Each
     node's value is the fake the op made (NOTE [A traced value as the op made it])."""
+    import threading
+
     from torch.fx.experimental import proxy_tensor
 
     set_meta = proxy_tensor.set_meta
+    tracing_thread = threading.get_ident()      # (another thread's make_fx keeps its copies)
 
     def set_meta_as_made(proxy, val):
         node = proxy.node
         if (node.op == "placeholder" or node.op == "call_function" and not _factory(node.target)) \
-                and _as_made(val):
-            proxy.node.meta["val"] = val
+                and _as_made(val) and threading.get_ident() == tracing_thread:
+            node.meta["val"] = val
             return proxy
         return set_meta(proxy, val)
 
     proxy_tensor.set_meta = set_meta_as_made
     try:
         with fake_mode:
-            return proxy_tensor.make_fx(fn, tracing_mode="real")(*fakes)
+            gm = proxy_tensor.make_fx(fn, tracing_mode="real")(*fakes)
     finally:
         proxy_tensor.set_meta = set_meta
+    # a joint program's forward values took autograd's history after they were stored:
+    # copies without it, as make_fx's
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if _requires_grad(val):
+            node.meta["val"] = _detached(fake_mode, val)
+    return gm
 
 
 # NOTE [A traced value as the op made it]
@@ -134,19 +144,37 @@ def trace_on_fakes(fn, fakes: list, fake_mode) -> torch.fx.GraphModule:
 # beside it, so that a later in-place op on the result cannot change what an earlier
 # node says it made. pjit's trace has no in-place op by the time anything reads its
 # values: one that has any is traced again under functionalize, from its code, not
-# its meta, on new fakes (NOTE [Trace, then functionalize] in sharded/_trace.py). So
-# the trace keeps the fake the op made, and an input's the fake pjit made for it,
-# without the copy or the TensorMetadata (nothing reads it): a third of make_fx's
-# per-node bookkeeping on a GPT-2-small train step. Values that need the copy keep
-# it: one that requires grad (autograd's graph stays out of the meta), one with a
-# constant's real value (const-propagated), and a factory's (``torch.ones``,
-# ``zeros_like``: torch's binding of a factory returns a ``detach`` of the new tensor
-# when something else holds it, a node more in the program). On the GPT-2-small step
-# the trace takes about 0.5 s less (benchmarks/results/compile_abstract.json);
-# tests/test_pjit.py checks every value against make_fx's copies.
+# its meta, on new fakes (NOTE [Trace, then functionalize] in sharded/_trace.py; a
+# shard_map body, traced inside it, likewise). So the trace keeps the fake the op
+# made, and an input's the fake pjit made for it, without the copy or the
+# TensorMetadata (nothing reads it): a third of make_fx's per-node bookkeeping on a
+# GPT-2-small train step. Values that need the copy keep it: one with a constant's
+# real value (const-propagated), and a factory's (``torch.ones``, ``zeros_like``:
+# torch's binding of a factory returns a ``detach`` of the new tensor when something
+# else holds it, a node more in the program). A joint program's forward values gain
+# autograd's history only after they are stored; those that require grad are copied
+# once the trace is done (autograd's graph stays out of the meta). Only the tracing
+# thread's make_fx calls keep values so. On the GPT-2-small step the trace takes
+# about 0.5 s less (benchmarks/results/compile_abstract.json); tests/test_pjit.py
+# checks each value's shape, strides, offset, dtype and gradient flag against
+# make_fx's copies.
 @functools.cache
 def _factory(target) -> bool:
     return isinstance(target, OpOverload) and any(a.name == "pin_memory" for a in target._schema.arguments)
+
+
+def _requires_grad(val) -> bool:
+    if isinstance(val, (tuple, list)):
+        return any(_requires_grad(v) for v in val)
+    return isinstance(val, torch.Tensor) and val.requires_grad
+
+
+def _detached(fake_mode, val):
+    from torch._subclasses.fake_impls import fast_detach
+
+    if isinstance(val, (tuple, list)):
+        return type(val)(_detached(fake_mode, v) for v in val)
+    return fast_detach(fake_mode, val) if type(val) is FakeTensor and val.requires_grad else val
 
 
 def _as_made(val) -> bool:
@@ -293,7 +321,9 @@ def gather_moved(dt: DTensor, i: int) -> DTensor | None:
     the local shard without DTensor's dispatch of the two moves (the layout is
     ``dt``'s with mesh dim ``i`` replicated, its global shape and strides ``dt``'s).
     None where NOTE [One collective for a move on one axis] does not apply (another
-    mesh dim splits dim d too, an uneven split, one rank on the axis, a gradient)."""
+    mesh dim splits dim d too, an uneven split, one rank on the axis, a gradient), or
+    where another mesh dim's placement is neither Shard nor Replicate (a pending sum,
+    a _StridedShard: DTensor's moves may plan those otherwise)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
@@ -302,7 +332,8 @@ def gather_moved(dt: DTensor, i: int) -> DTensor | None:
     if dt.requires_grad or type(src) is not Shard or src.dim <= 0:
         return None
     d, mesh = src.dim, spec.mesh
-    if any(getattr(p, "dim", None) == d for j, p in enumerate(spec.placements) if j != i) \
+    if any(type(p) not in (Shard, Replicate) or getattr(p, "dim", None) == d
+           for j, p in enumerate(spec.placements) if j != i) \
             or mesh.get_coordinate() is None or mesh.size(i) == 1 or spec.shape[d] % mesh.size(i):
         return None
     placements = tuple(Replicate() if j == i else p for j, p in enumerate(spec.placements))
@@ -1542,7 +1573,7 @@ def _collective_fake_kernels() -> dict:
 
 
 # NOTE [Fake results by their meta kernel]
-# A view op (``view``, ``t``, ``permute``: a third of the ops the expansion records)
+# An aten view op (``view``, ``t``, ``permute``: a third of the ops the expansion records)
 # and a functional collective or its wait (a fresh tensor of a shape its meta
 # function computes) cost the fake mode a cache key of every argument's metadata, a
 # lookup, and a meta tensor rebuilt from the entry. Their result is what their meta
@@ -1552,7 +1583,8 @@ def _collective_fake_kernels() -> dict:
 # fake tensor on the input's device. The expansion's recorder and the bucketing
 # pass's packing make theirs so, where the one tensor argument is the first, a fake
 # of the recording's mode without a constant (the fake mode propagates constants) or
-# a gradient; anything else goes through the fake mode. Shapes, strides, storage
+# a gradient; anything else (another library's view op, whose fake kernel may not be
+# a meta kernel) goes through the fake mode. Shapes, strides, storage
 # offsets and storage sharing are the fake mode's (tests/test_expand.py). On the
 # GPT-2-small step on a 16x4 mesh under DataParallelMode("shard"), about 0.15 s of the
 # partition and 0.1 s of the passes (benchmarks/results/compile_abstract.json).
@@ -1730,7 +1762,7 @@ def record_fake(fn, inputs: list, fake_mode) -> torch.fx.GraphModule:
             fake_kernel = fake_kernels.get(func)
             if fake_kernel is not None and _meta_kernel_answers(fake_mode, args, kwargs):
                 out = _by_meta_kernel(fake_mode, fake_kernel, args)     # (as the fake mode would, faster)
-            elif func.is_view and _meta_kernel_answers(fake_mode, args, kwargs):
+            elif func.is_view and func.namespace == "aten" and _meta_kernel_answers(fake_mode, args, kwargs):
                 out = _by_meta_kernel(fake_mode, func, args)
             else:
                 out = func(*args, **kwargs)

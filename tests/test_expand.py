@@ -326,7 +326,8 @@ def test_fake_results_by_their_meta_kernel_are_the_fake_modes(monkeypatch):
 
     made = []
     by_meta, reshape = _torch._by_meta_kernel, _torch.fake_reshape
-    monkeypatch.setattr(_torch, "_by_meta_kernel", lambda mode, op, args: made.append(op) or by_meta(mode, op, args))
+    monkeypatch.setattr(_torch, "_by_meta_kernel",
+                        lambda mode, op, args: made.append(op) or by_meta(mode, op, args))
     monkeypatch.setattr(_torch, "fake_reshape", lambda x, shape: made.append("packed") or reshape(x, shape))
     params = {"w": torch.randn(4, 3), "v": torch.randn(4, 2)}
     low = pjit(lambda p, x: ((x @ p["w"].t()) @ p["v"]).sum(), in_specs=(None, P("dp")),

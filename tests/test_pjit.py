@@ -444,10 +444,12 @@ def test_the_trace_takes_its_fake_inputs_as_they_are(monkeypatch):
 def test_the_traces_values_are_make_fxs(monkeypatch):
     """NOTE [A traced value as the op made it]: each node of the trace holds the fake
     its op made (make_fx stores a detached copy of each, and a TensorMetadata), and
-    the values say what make_fx's copies say: shapes, strides and dtypes of every
-    node, a multi-output op's tuple, a torch.func.grad's backward, a constant,
-    factories (no ``detach`` of theirs more than make_fx's). A function that changes a value's shape in place (``y.t_()``) is traced
-    again under functionalize, and says the same as well."""
+    the values say what make_fx's copies say (shape, strides, offset, dtype, gradient
+    flag) for every node: a multi-output op's tuple, a torch.func.grad's backward, a
+    constant, factories (no ``detach`` of theirs more than make_fx's), a joint
+    program's forward values (without autograd's history). A function that changes a
+    value's shape in place (``y.t_()``) is traced again under functionalize, and says
+    the same as well."""
     from sharded import _torch
     from torch.fx.experimental import proxy_tensor
 
@@ -465,16 +467,25 @@ def test_the_traces_values_are_make_fxs(monkeypatch):
         return y.unsqueeze(0) + b.view(6, 1)
 
     def values(gm):
-        return [(n.name, str(n.target), tuple(v.shape), v.stride(), v.storage_offset(), v.dtype)
+        return [(n.name, str(n.target), tuple(v.shape), v.stride(), v.storage_offset(), v.dtype,
+                 v.requires_grad)
                 for n in gm.graph.nodes if n.op != "output"
                 for v in (n.meta["val"] if isinstance(n.meta["val"], (tuple, list)) else [n.meta["val"]])
                 if isinstance(v, torch.Tensor)]
 
     args = (torch.randn(3, 4), torch.randn(4, 6), torch.randn(6))
     mesh = Mesh.abstract((2,), ("tp",))
+    def joint(x, w, b):          # (lowered on a w that requires grad: the joint program)
+        return torch.tanh(x @ w).sum(0) * b
+
+    grad_args = (args[0], args[1].clone().requires_grad_(), args[2])
     lower = {fn: (lambda fn=fn: pjit(lambda *a: fn(*a), in_specs=(P(), P(None, "tp"), P("tp")),
-                                     mesh=mesh).lower(*args).global_graph) for fn in (f, g)}
-    ours = {fn: lower[fn]() for fn in (f, g)}
+                                     mesh=mesh).lower(*(grad_args if fn is joint else args)).global_graph)
+             for fn in (f, g, joint)}
+    ours = {fn: lower[fn]() for fn in (f, g, joint)}
+    assert any(n.op == "call_function" for n in ours[joint].graph.nodes)
+    assert not [n for n in ours[joint].graph.nodes
+                if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].requires_grad]
     assert proxy_tensor.set_meta is set_meta
     ln = next(n for n in ours[f].graph.nodes if n.target is torch.ops.aten.native_layer_norm.default)
     assert isinstance(ln.meta["val"], tuple) and len(ln.meta["val"]) == 3
@@ -482,7 +493,7 @@ def test_the_traces_values_are_make_fxs(monkeypatch):
                 and not _torch._factory(n.target)]
     assert not [n for n in ours[g].graph.nodes if n.op == "call_function" and n.target._schema.is_mutable]
     monkeypatch.setattr(_torch, "_as_made", lambda val: False)       # make_fx's copies
-    for fn in (f, g):
+    for fn in (f, g, joint):
         assert values(ours[fn]) == values(lower[fn]()), fn.__name__
 
 
