@@ -332,15 +332,26 @@ def gather_moved(dt: DTensor, i: int) -> DTensor | None:
     if dt.requires_grad or type(src) is not Shard or src.dim <= 0:
         return None
     d, mesh = src.dim, spec.mesh
-    if any(type(p) not in (Shard, Replicate) or getattr(p, "dim", None) == d
-           for j, p in enumerate(spec.placements) if j != i) \
-            or mesh.get_coordinate() is None or mesh.size(i) == 1 or spec.shape[d] % mesh.size(i):
+    if any(type(p) not in (Shard, Replicate) for j, p in enumerate(spec.placements) if j != i) \
+            or mesh.size(i) == 1 or not _alone_on_dim(spec, i, d):
         return None
     placements = tuple(Replicate() if j == i else p for j, p in enumerate(spec.placements))
-    moved = dt._local_tensor.movedim(d, 0).contiguous()
-    out = WAIT_OP(c10d_functional.all_gather_into_tensor.default(
-        moved, mesh.size(i), mesh.get_group(i).group_name))
+    out = _all_gather_dim0(dt._local_tensor.movedim(d, 0), mesh, i)
     return make_dtensor(out.movedim(0, d), DTensorSpec(mesh, placements, tensor_meta=spec.tensor_meta))
+
+
+def _alone_on_dim(spec, i: int, d: int) -> bool:
+    """Does mesh dim ``i`` alone split dim ``d`` of ``spec``'s value, evenly, on a mesh
+    this rank is in (NOTE [One collective for a move on one axis])?"""
+    mesh = spec.mesh
+    return (not any(getattr(p, "dim", None) == d for j, p in enumerate(spec.placements) if j != i)
+            and mesh.get_coordinate() is not None and spec.shape[d] % mesh.size(i) == 0)
+
+
+def _all_gather_dim0(x: torch.Tensor, mesh, i: int) -> torch.Tensor:
+    """The ranks of mesh dim ``i``'s ``x`` stacked on dim 0: one all-gather and its wait."""
+    return WAIT_OP(c10d_functional.all_gather_into_tensor.default(
+        x.contiguous(), mesh.size(i), mesh.get_group(i).group_name))
 
 
 # NOTE [One collective for a move on one axis]
@@ -377,19 +388,17 @@ def _one_collective(local: torch.Tensor, spec, placements: tuple) -> torch.Tenso
     else:
         return None
     mesh = spec.mesh
-    if any(getattr(p, "dim", None) == d for j, p in enumerate(spec.placements) if j != i) \
-            or mesh.get_coordinate() is None:
+    if not _alone_on_dim(spec, i, d):
         return None
     g = mesh.size(i)
     if g == 1:              # (DTensor moves nothing on an axis of one rank)
         return local
-    if spec.shape[d] % g or (not gather and local.shape[d] % g):
+    if not gather and local.shape[d] % g:
         return None
     group = mesh.get_group(i).group_name
     shape = list(local.shape)
     if gather:
-        x = local.contiguous()
-        out = WAIT_OP(c10d_functional.all_gather_into_tensor.default(x, g, group))
+        out = _all_gather_dim0(local, mesh, i)
         if d == 0:
             return out
         shape[d] *= g       # the ranks' blocks, stacked in dim 0, side by side in dim d

@@ -366,6 +366,39 @@ def test_a_gather_of_a_moved_dim_is_dtensors_program(monkeypatch):
     assert ours == _program(lower())
 
 
+def test_a_gather_of_a_moved_dim_is_taken_only_where_dtensor_moves_nothing_else():
+    """``_torch.gather_moved`` answers a shard split on dim d > 0 whose other mesh dims
+    are Shard elsewhere or Replicate, split evenly: its layout is the input's with the
+    axis replicated, its global shape and strides the input's. It leaves to DTensor
+    (None) a pending sum or a split of the same dim on the other axis, an uneven split
+    and a split of dim 0."""
+    from sharded import _torch
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    dm = Mesh.abstract((2, 2), ("dp", "tp")).device_mesh
+    fake = _torch.new_fake_mode()
+    with fake:
+        x = torch.empty(4, 3)
+    cases = {((Shard(1), Replicate()), (4, 6)): True, ((Shard(1), Shard(0)), (8, 6)): True,
+             ((Shard(1), Partial()), (4, 6)): False, ((Shard(1), Shard(1)), (4, 12)): False,
+             ((Shard(1), Replicate()), (4, 5)): False, ((Shard(0), Replicate()), (8, 3)): False}
+    got = {}
+
+    def run(local):
+        for (placements, shape), _ in cases.items():
+            spec = _torch.build_dtensor_spec(dm, placements, shape, (shape[1], 1), local.dtype)
+            out = _torch.gather_moved(_torch.make_dtensor(local, spec), 0)
+            got[(placements, shape)] = out is not None
+            if out is not None:
+                assert out.placements == (Replicate(), placements[1])
+                assert (out.shape, out.stride()) == (torch.Size(shape), (shape[1], 1))
+                assert tuple(out._local_tensor.shape) == (local.shape[0], shape[1])     # (dim 1 whole)
+        return []
+
+    _torch.record_fake(run, [x], fake)
+    assert got == cases
+
+
 def test_an_output_is_its_value_and_an_input_returned_is_a_view_of_it():
     """The expansion returns each computed output as the value itself (DTensor's
     ``to_local`` recorded a view of every output: 374 in a 12-layer GPT-2-small train
